@@ -1,0 +1,111 @@
+"""A small decoder-only transformer (GPT-2 shape) used by the training command,
+the benchmark and the tests.
+
+Every module with parameters has ``reset_parameters`` so the model can be built
+on the meta device and materialised unit by unit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    """Number of token ids (256 for the byte-level tokenizer)."""
+    seq_len: int = 64
+    """Longest sequence the position table covers."""
+    n_layer: int = 2
+    """Number of transformer blocks (the natural sharding unit)."""
+    n_head: int = 2
+    """Attention heads per block; must divide ``d_model``."""
+    d_model: int = 64
+    """Width of the residual stream."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection."""
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if config.d_model % config.n_head:
+            raise ValueError(f"d_model={config.d_model} is not divisible by n_head={config.n_head}")
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        shape = (batch, seq, self.n_head, width // self.n_head)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model)
+        self.proj = nn.Linear(4 * config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2 style init: small normal weights, residual projections scaled by depth."""
+        std = 0.02
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") else 1.0
+                if module.weight.device.type != "meta":
+                    nn.init.normal_(module.weight, std=std * scale)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding) and module.weight.device.type != "meta":
+                nn.init.normal_(module.weight, std=std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross entropy in fp32, whatever the compute dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
