@@ -1,0 +1,107 @@
+"""The two front doors. Both end in ``shard_unit``: the one-call form is a loop
+over units, bottom-up, then the root."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from flatfsdp.mesh import resolve_dp_mesh
+from flatfsdp.optimizer import fully_shard_optimizer
+from flatfsdp.precision import resolve_policy
+from flatfsdp.shard_unit import shard_unit
+from flatfsdp.strategy import ShardingStrategy
+from flatfsdp.tied_params import params_used_outside
+from flatfsdp.unit_classes import resolve_unit_classes
+
+# Megatron-FSDP keywords accepted for drop-in compatibility that change nothing
+# here: overlap is always on, state dicts are always DCP-ready, and the NCCL
+# buffer-registration knobs have no counterpart yet.
+_ACCEPTED_NO_OPS = {"overlap_grad_reduce", "overlap_param_gather", "preproc_state_dict_for_dcp_ckpt",
+                    "keep_fp8_transpose_cache_when_using_custom_fsdp", "nccl_ub", "fsdp_double_buffer",
+                    "disable_symmetric_registration", "device"}
+_NOT_YET = {"dp_outer_dim", "tp_dim", "hybrid_fsdp_group", "expt_device_mesh", "outer_dp_sharding_strategy"}
+
+
+def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                mesh: DeviceMesh | None = None, device_mesh: DeviceMesh | None = None,
+                dp_shard_dim: str | None = None, fsdp_unit_modules: Iterable[type | str] | None = None,
+                zero_dp_strategy: ShardingStrategy | int | str = 3, reshard_after_forward: bool = True,
+                mp_policy: Any = None, mixed_precision_policy: Any = None, sync_model_each_microbatch: bool = True,
+                calculate_per_token_loss: bool = False, grad_reduce_in_fp32: bool = False,
+                preserve_fp32_weights: bool = True, init_model_with_meta_device: bool = False, **kwargs: Any):
+    """Shard ``module``.
+
+    * ``fully_shard(model, optimizer, fsdp_unit_modules=[Block], ...)`` shards every
+      ``Block`` and then the root, binds ``optimizer``, returns ``(model, optimizer)``
+      (Megatron-FSDP style; without an optimizer it returns the model).
+    * ``fully_shard(block, mesh=..., mp_policy=..., reshard_after_forward=...)`` shards
+      one unit and returns it (PyTorch FSDP2 style; call bottom-up, then on the root).
+    """
+    options = _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
+                       grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
+                       sync_model_each_microbatch, init_model_with_meta_device, kwargs)
+    if fsdp_unit_modules is None and optimizer is None:
+        shard_unit(module, reshard_after_forward=reshard_after_forward, **options)
+        return module
+    _shard_model(module, fsdp_unit_modules or (), reshard_after_forward, options)
+    if optimizer is None:
+        return module
+    return module, fully_shard_optimizer(optimizer, model=module)
+
+
+def fully_shard_model(module: nn.Module, *, fsdp_unit_modules: Iterable[type | str] | None = None,
+                      device_mesh: DeviceMesh | None = None, dp_shard_dim: str | None = None,
+                      zero_dp_strategy: ShardingStrategy | int | str = 3, mixed_precision_policy: Any = None,
+                      sync_model_each_microbatch: bool = True, calculate_per_token_loss: bool = False,
+                      grad_reduce_in_fp32: bool = False, preserve_fp32_weights: bool = True,
+                      init_model_with_meta_device: bool = False, reshard_after_forward: bool = True,
+                      **kwargs: Any) -> nn.Module:
+    """Megatron-FSDP's model half: shard units bottom-up, then the root. Bind an
+    optimizer afterwards with ``fully_shard_optimizer``."""
+    options = _options(None, device_mesh, dp_shard_dim, zero_dp_strategy, None, mixed_precision_policy,
+                       grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
+                       sync_model_each_microbatch, init_model_with_meta_device, kwargs)
+    _shard_model(module, fsdp_unit_modules or (), reshard_after_forward, options)
+    return module
+
+
+def _shard_model(model: nn.Module, unit_entries: Iterable[type | str], reshard_after_forward: bool,
+                 options: dict) -> None:
+    classes = resolve_unit_classes(unit_entries, model)
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [m for m in model.modules() if m is not model and classes and isinstance(m, classes)]
+    # Children before parents, so each unit owns only what no inner unit took;
+    # a parameter also used outside a unit (tied weights) is left to an outer one.
+    for unit in reversed(units):
+        shard_unit(unit, reshard_after_forward=reshard_after_forward, name=names[id(unit)],
+                   exclude=frozenset(params_used_outside(unit, model)), **options)
+    shard_unit(model, reshard_after_forward=reshard_after_forward, name="<root>", **options)
+
+
+def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
+             grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss, sync_model_each_microbatch,
+             init_model_with_meta_device, extra: dict) -> dict:
+    unknown = set(extra) - _ACCEPTED_NO_OPS - _NOT_YET
+    if unknown:
+        raise TypeError(f"fully_shard got unexpected keyword argument(s) {sorted(unknown)}")
+    requested = sorted(k for k in set(extra) & _NOT_YET if extra[k] is not None)
+    if requested:
+        raise NotImplementedError(f"{requested} (hybrid / tensor / expert parallel meshes) are not supported yet")
+    if mesh is not None and device_mesh is not None and mesh is not device_mesh:
+        raise ValueError("pass the mesh as either mesh= or device_mesh=, not two different meshes")
+    if mp_policy is not None and mixed_precision_policy is not None:
+        raise ValueError("pass the policy as either mp_policy= or mixed_precision_policy=, not both")
+    if init_model_with_meta_device:
+        raise NotImplementedError("init_model_with_meta_device is not supported yet")
+    return dict(
+        mesh=resolve_dp_mesh(mesh if mesh is not None else device_mesh, dp_shard_dim),
+        strategy=ShardingStrategy.parse(zero_dp_strategy),
+        policy=resolve_policy(mp_policy if mp_policy is not None else mixed_precision_policy,
+                              grad_reduce_in_fp32=grad_reduce_in_fp32, preserve_fp32_weights=preserve_fp32_weights),
+        average_grads=not calculate_per_token_loss,
+        sync_each_microbatch=sync_model_each_microbatch,
+    )

@@ -1,0 +1,18 @@
+"""What a sharded model keeps on this rank between steps."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def persistent_buffer_bytes(model: nn.Module) -> int:
+    """Bytes held by the engine's persistent buffers (model weights, main weights,
+    gradients) on this rank, over every sharded unit in ``model``. Transient
+    buffers (gathered weights of ZeRO-3, unsharded gradients of ZeRO-2/3) are
+    excluded: they live only between a gather and its release."""
+    total = 0
+    for module in model.modules():
+        state = getattr(module, "_flatfsdp_state", None)
+        if state is not None:
+            total += sum(group.persistent_bytes() for group in state.groups)
+    return total

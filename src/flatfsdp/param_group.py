@@ -1,0 +1,324 @@
+"""One unit's parameters that share (dtype, requires_grad): their flat buffers
+and the three things done to them -- unshard, reshard, reduce gradients.
+
+Buffers per group (N = padded numel, S = N / world size):
+
+====================  ==========  ===========  ============  =================
+buffer                no_shard    optim        optim_grads   optim_grads_params
+====================  ==========  ===========  ============  =================
+model weights         N kept      N kept       N kept        S kept, N transient
+main weights (fp32)   N           S            S             S
+grad accumulation     N kept      N kept       N transient   N transient
+main grads (fp32)     N           S            S             S
+====================  ==========  ===========  ============  =================
+
+Where two buffers hold the same dtype and range they are one tensor (fp32
+training keeps no separate main copy). The optimizer sees each parameter as a
+DTensor viewing its piece of the main weights; its ``.grad`` views the main
+grads. Parameters the module computes with are views of the model-weight buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from flatfsdp import collectives
+from flatfsdp.buffer import FlatBuffer
+from flatfsdp.collectives import Pending
+from flatfsdp.layout import build_layout
+from flatfsdp.precision import MixedPrecisionPolicy
+from flatfsdp.strategy import ShardingStrategy
+
+ALIGN_ELEMENTS = 8
+"""Each parameter starts at a multiple of 8 elements (16-32 bytes): aligned views
+for vectorised kernels, at a padding cost of under 8 elements per parameter."""
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter is registered: every (module, attribute) that holds it."""
+
+    fqn: str
+    param: nn.Parameter
+    locations: tuple[tuple[nn.Module, str], ...]
+
+
+class ParamGroup:
+    def __init__(self, slots: list[ParamSlot], *, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
+                 mesh: DeviceMesh, device: torch.device):
+        self.slots = slots
+        self.params = [s.param for s in slots]
+        self.shapes = [p.shape for p in self.params]
+        self.strategy = strategy
+        self.mesh = mesh
+        self.pg = mesh.get_group()
+        self.world, self.rank = self.pg.size(), self.pg.rank()
+        self.layout = build_layout([p.numel() for p in self.params], self.world, ALIGN_ELEMENTS)
+        original = self.params[0].dtype
+        self.trainable = self.params[0].requires_grad and original.is_floating_point
+        self.compute_dtype = policy.compute_dtype(original)
+        self.main_dtype = policy.main_dtype(original) if self.trainable else self.compute_dtype
+        self.reduce_dtype = policy.grad_reduce_dtype(original)
+        self._unsharded = False
+        self._accum: FlatBuffer | None = None
+        self._inflight: Pending | None = None
+        self._used = [False] * len(self.params)
+        self._allocate(device)
+        self._fill_from_params()
+        self._make_views()
+        self._main_version = -1 if self.strategy.shards_main_weights else self._weights_version()
+
+    # ---- construction -------------------------------------------------------------------
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        if not self.strategy.shards_main_weights:
+            return 0, self.layout.padded_numel
+        return self.layout.shard_range(self.rank)
+
+    def _allocate(self, device: torch.device) -> None:
+        n, (lo, hi) = self.layout.padded_numel, self.local_range
+        zero3 = self.strategy.shards_model_weights
+        self.model_full = FlatBuffer(n, self.compute_dtype, device, name="model weights")
+        self.model_local = torch.empty(hi - lo, dtype=self.compute_dtype, device=device) if zero3 \
+            else self.model_full.data[lo:hi]
+        self.main = self.model_local if self.main_dtype == self.compute_dtype \
+            else torch.empty(hi - lo, dtype=self.main_dtype, device=device)
+        self.grad_full = self.main_grad = None
+        if self.trainable:
+            kept = not self.strategy.shards_grads
+            self.grad_full = FlatBuffer(n, self.reduce_dtype, device, allocated=kept, name="gradients")
+            # no_shard / optim in one dtype: the kept buffer doubles as the main grads.
+            self._grads_aliased = kept and self.reduce_dtype == self.main_dtype
+            if self._grads_aliased:
+                self.main_grad = self.grad_full.data[lo:hi]
+            else:
+                self.main_grad = torch.zeros(hi - lo, dtype=self.main_dtype, device=device)
+            self._scratch_grad = FlatBuffer(n, self.reduce_dtype, device, allocated=False, name="scratch")
+
+    def _fill_from_params(self) -> None:
+        """Copy each parameter's owned piece into the main (and model) buffers."""
+        lo, hi = self.local_range
+        with torch.no_grad():
+            self.model_full.data.zero_()
+            for seg, p in zip(self.layout.segments, self.params):
+                self.model_full.data[seg.offset:seg.end].copy_(p.detach().reshape(-1))
+            if self.main is not self.model_local or self.strategy.shards_model_weights:
+                # Main weights straight from the original values (fp32 main
+                # weights keep full precision even when compute is bf16).
+                full_main = torch.zeros(self.layout.padded_numel, dtype=self.main_dtype,
+                                        device=self.main.device)
+                for seg, p in zip(self.layout.segments, self.params):
+                    full_main[seg.offset:seg.end].copy_(p.detach().reshape(-1))
+                self.main.copy_(full_main[lo:hi])
+                if self.model_local is not self.main:
+                    self.model_local.copy_(self.main)
+        # Replicas must agree: ZeRO-1/2 re-gather the model weights from the
+        # shards before first use (the version below forces it); no_shard takes
+        # rank 0's copy.
+        if self.strategy == ShardingStrategy.NO_SHARD and self.world > 1:
+            torch.distributed.broadcast(self.main, group=self.pg, group_src=0)
+            if self.model_full.data is not self.main:
+                self.model_full.data.copy_(self.main)
+
+    def _make_views(self) -> None:
+        """Original parameters become views of the model-weight buffer; the
+        optimizer-facing DTensors view the main weights and grads."""
+        lo, _ = self.local_range
+        placement = Shard(0) if self.strategy.shards_main_weights else Replicate()
+        self.sharded_params, self._grad_views, self._grad_dtensors = [], [], []
+        for i, (seg, p) in enumerate(zip(self.layout.segments, self.params)):
+            p.data = self.model_full.view(seg.offset, seg.end, self.shapes[i])
+            a, b = self._local_piece(i)
+            start, end = seg.offset + a - lo, seg.offset + b - lo
+            spec = dict(shape=torch.Size([seg.numel]), stride=(1,), run_check=False)
+            local = DTensor.from_local(self.main[start:end], self.mesh, [placement], **spec)
+            self.sharded_params.append(nn.Parameter(local, requires_grad=self.trainable))
+            if self.trainable:
+                self._grad_views.append(self.main_grad[start:end])
+                self._grad_dtensors.append(DTensor.from_local(self.main_grad[start:end], self.mesh,
+                                                              [placement], **spec))
+        if self.strategy.shards_model_weights:
+            self.model_full.free()
+
+    def _local_piece(self, index: int) -> tuple[int, int]:
+        if not self.strategy.shards_main_weights:
+            return 0, self.layout.segments[index].numel
+        return self.layout.local_piece(index, self.rank)
+
+    # ---- weights ------------------------------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._unsharded
+
+    def unshard(self, async_op: bool = False) -> Pending:
+        """Make the model-weight buffer hold the current full weights."""
+        if self._unsharded:
+            return Pending()
+        self._unsharded = True
+        if self.strategy.shards_model_weights:
+            self._refresh_model_local()
+            self.model_full.alloc()
+            return collectives.all_gather(self.model_full.data, self.model_local, self.pg, async_op)
+        if self._main_version == self._weights_version():
+            return Pending()
+        self._refresh_model_local()
+        if not self.strategy.shards_main_weights:
+            self._main_version = self._weights_version()
+            return Pending()
+        pending = collectives.all_gather(self.model_full.data, self.model_local, self.pg, async_op)
+        pending.then.append(self._record_main_version)
+        return pending
+
+    def _refresh_model_local(self) -> None:
+        """After an optimizer step, cast the updated main weights into the model
+        weights (a no-op when they are the same tensor)."""
+        if self.model_local is not self.main and self._main_version != self._weights_version():
+            with torch.no_grad():
+                self.model_local.copy_(self.main)
+            self._main_version = self._weights_version()
+
+    def _weights_version(self) -> int:
+        """Changes whenever the main weights are written in place: the optimizer
+        (or the user) writes through the DTensor parameters, and only their
+        version counters see it (DTensor updates its local tensor below autograd)."""
+        return sum(p._version for p in self.sharded_params) + self.main._version
+
+    def _record_main_version(self) -> None:
+        self._main_version = self._weights_version()
+
+    def reshard(self) -> None:
+        """Release the gathered weights (ZeRO-3 only; the others keep them)."""
+        self._unsharded = False
+        if self.strategy.shards_model_weights:
+            self.model_full.free()
+
+    def use_unsharded_params(self) -> None:
+        for slot in self.slots:
+            for module, attr in slot.locations:
+                module._parameters[attr] = slot.param
+
+    def use_sharded_params(self) -> None:
+        for slot, sharded in zip(self.slots, self.sharded_params):
+            for module, attr in slot.locations:
+                module._parameters[attr] = sharded
+
+    # ---- gradients ----------------------------------------------------------------------
+
+    def accumulate_grads(self) -> bool:
+        """Move the gradients autograd left on the unsharded parameters into the
+        flat accumulation buffer. Returns whether there were any."""
+        if not self.trainable:
+            return False
+        pairs = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        if not pairs:
+            return False
+        fresh = self._accum is None
+        if fresh:
+            self.wait_reduction()
+            self._accum = self._pick_accumulation_buffer()
+            self._accum.alloc()
+        views = [self._accum.view(self.layout.segments[i].offset, self.layout.segments[i].end,
+                                  self.shapes[i]) for i, _ in pairs]
+        grads = [g for _, g in pairs]
+        with torch.no_grad():
+            if fresh:
+                self._zero_unwritten(set(i for i, _ in pairs))
+                torch._foreach_copy_(views, grads)
+            else:
+                torch._foreach_add_(views, grads)
+        for i, _ in pairs:
+            self._used[i] = True
+            self.params[i].grad = None
+        return True
+
+    def _pick_accumulation_buffer(self) -> FlatBuffer:
+        # While the optimizer still holds grads in a buffer that doubles as the
+        # accumulation buffer, a new microbatch accumulates aside.
+        if self._grads_aliased and self._main_grad_has_data():
+            return self._scratch_grad
+        return self.grad_full
+
+    def _zero_unwritten(self, written: set[int]) -> None:
+        """Zero padding and the slots of parameters that got no gradient."""
+        flat, cursor = self._accum.data, 0
+        for i, seg in enumerate(self.layout.segments):
+            if i in written:
+                if seg.offset > cursor:
+                    flat[cursor:seg.offset].zero_()
+                cursor = seg.end
+        if flat.numel() > cursor:
+            flat[cursor:].zero_()
+
+    def _main_grad_has_data(self) -> bool:
+        return any(sp.grad is not None for sp in self.sharded_params)
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        return self._accum is not None
+
+    def reduce_grads(self, average: bool, async_op: bool = False) -> Pending:
+        """Reduce the accumulated local gradients into the main grads (summing
+        into what the optimizer has not consumed yet, as autograd would)."""
+        if self._accum is None:
+            return Pending()
+        accum, has_data = self._accum, self._main_grad_has_data()
+        self._accum = None
+        scale = 1.0 / self.world if average else 1.0
+        if not self.strategy.shards_main_weights:
+            pending = collectives.all_reduce(accum.data, self.pg, async_op)
+            result = accum.data
+        else:
+            direct = not has_data and self.main_grad.dtype == self.reduce_dtype
+            result = self.main_grad if direct else torch.empty(
+                self.layout.shard_numel, dtype=self.reduce_dtype, device=self.main_grad.device)
+            pending = collectives.reduce_scatter(result, accum.data, self.pg, async_op)
+        pending.then.append(lambda: self._finish_reduction(accum, result, has_data, scale))
+        self._inflight = pending
+        return pending
+
+    def wait_reduction(self) -> None:
+        if self._inflight is not None:
+            self._inflight.wait()
+
+    def _finish_reduction(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, scale: float) -> None:
+        self._inflight = None
+        with torch.no_grad():
+            if has_data:
+                for view, sp in zip(self._grad_views, self.sharded_params):
+                    if sp.grad is None:
+                        view.zero_()
+                self.main_grad.add_(result, alpha=scale)
+            elif result.data_ptr() == self.main_grad.data_ptr():
+                if scale != 1.0:
+                    self.main_grad.mul_(scale)
+            else:
+                torch.mul(result, scale, out=self.main_grad)
+        for i, sp in enumerate(self.sharded_params):
+            if self._used[i]:
+                sp.grad = self._grad_dtensors[i]
+            self._used[i] = False
+        if accum is self._scratch_grad or self.strategy.shards_grads:
+            accum.free()
+
+    # ---- accounting ---------------------------------------------------------------------
+
+    def persistent_bytes(self) -> int:
+        """Bytes this rank keeps between steps in this group's buffers."""
+        seen, total = set(), 0
+        tensors = [self.model_full.data, self.model_local, self.main]
+        if self.trainable:
+            tensors += [self.grad_full.data, self.main_grad]
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = storage.data_ptr(), storage.nbytes()
+            if storage.nbytes() and key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        return total

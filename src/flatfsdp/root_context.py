@@ -1,0 +1,81 @@
+"""State shared by every unit under one root module: the backward's start and
+end, and the gradient reductions still in flight.
+
+The root is the outermost sharded module whose forward runs first; it is found
+lazily on that first forward, when the whole tree is known.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING
+
+from torch.autograd import Variable
+from torch.autograd.profiler import record_function
+
+from flatfsdp.collectives import Pending
+from flatfsdp.training_state import TrainingState
+
+if TYPE_CHECKING:
+    from flatfsdp.unit_state import UnitState
+
+MAX_REDUCTIONS_IN_FLIGHT = 2
+"""Each in-flight reduction holds an unsharded gradient buffer; two let one
+reduce while the next unit's backward fills another, and bound the memory."""
+
+_LIVE_CONTEXTS: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
+
+
+class RootContext:
+    def __init__(self, root: "UnitState", states: list["UnitState"]):
+        self.root = root
+        self.states = states
+        self.in_backward = False
+        self.sync_each_microbatch = root.sync_each_microbatch
+        self._pending: deque[Pending] = deque()
+        _LIVE_CONTEXTS.add(self)
+
+    # ---- reductions in flight ----------------------------------------------------------
+
+    def track(self, pending: Pending) -> None:
+        self._pending.append(pending)
+        while len(self._pending) > MAX_REDUCTIONS_IN_FLIGHT:
+            self._pending.popleft().wait()
+
+    def wait_reductions(self) -> None:
+        with record_function("flatfsdp::wait_reductions"):
+            while self._pending:
+                self._pending.popleft().wait()
+
+    # ---- backward boundaries -----------------------------------------------------------
+
+    def on_backward_start(self) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        # Runs once autograd has finished the whole backward, whichever units'
+        # hooks did or did not fire.
+        Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        with record_function("flatfsdp::finish_backward"):
+            for state in reversed(self.states):
+                if state.needs_post_backward():
+                    state.post_backward()
+            if self.sync_each_microbatch:
+                self.wait_reductions()
+            for state in self.states:
+                state.reshard()
+                state.training_state = TrainingState.IDLE
+            self.in_backward = False
+
+    def before_root_forward(self) -> None:
+        """A new forward: reductions left running by an unsynced step land first."""
+        self.wait_reductions()
+
+
+def wait_all_reductions() -> None:
+    """Used before an optimizer step: every root's gradients must have landed."""
+    for context in list(_LIVE_CONTEXTS):
+        context.wait_reductions()

@@ -1,0 +1,78 @@
+"""Turn one module into a sharded unit: collect the parameters it owns, build
+its param groups, install the runtime, swap its class."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.weak import WeakIdKeyDictionary
+
+from flatfsdp.fsdp_module import FSDPModule, become_fsdp_module
+from flatfsdp.mesh import mesh_device
+from flatfsdp.param_group import ParamGroup, ParamSlot
+from flatfsdp.precision import MixedPrecisionPolicy
+from flatfsdp.strategy import ShardingStrategy
+from flatfsdp.unit_state import UnitState
+
+SHARDED_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Original parameter -> the DTensor parameter the optimizer steps in its place."""
+ORIGINAL_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""The reverse map."""
+
+
+def is_sharded_param(param: torch.Tensor) -> bool:
+    return param in ORIGINAL_OF
+
+
+def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
+               reshard_after_forward: bool = True, average_grads: bool = True, sync_each_microbatch: bool = True,
+               exclude: frozenset[int] = frozenset(), name: str = "") -> UnitState:
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"module '{name or type(module).__name__}' ({type(module).__name__}) is already sharded; "
+                         "call fully_shard once per module")
+    slots = _owned_slots(module, exclude)
+    for slot in slots:
+        if slot.param.device.type == "meta":
+            raise NotImplementedError(
+                f"parameter '{slot.fqn}' is on the meta device: meta-device initialisation is not supported "
+                "yet; build the model on a real device")
+    device = mesh_device(mesh)
+    groups = []
+    for (dtype, requires_grad), members in _group_by_dtype(slots).items():
+        groups.append(ParamGroup(members, strategy=strategy, policy=policy, mesh=mesh, device=device))
+    for group in groups:
+        for original, sharded in zip(group.params, group.sharded_params):
+            SHARDED_OF[original] = sharded
+            ORIGINAL_OF[sharded] = original
+        group.use_sharded_params()
+    state = UnitState(module, groups, policy=policy, reshard_after_forward=reshard_after_forward,
+                      average_grads=average_grads, sync_each_microbatch=sync_each_microbatch)
+    become_fsdp_module(module, state)
+    return state
+
+
+def _owned_slots(module: nn.Module, exclude: frozenset[int]) -> list[ParamSlot]:
+    """Parameters in the subtree not owned by a unit below (those already show
+    as sharded DTensors) nor excluded, each with every place it is registered."""
+    found: OrderedDict[int, tuple[str, nn.Parameter, list]] = OrderedDict()
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for attr, param in sub._parameters.items():
+            if param is None or id(param) in exclude or is_sharded_param(param):
+                continue
+            if param in SHARDED_OF:
+                continue  # a unit below owns it and is gathered right now
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            entry = found.setdefault(id(param), (fqn, param, []))
+            if not any(m is sub and a == attr for m, a in entry[2]):
+                entry[2].append((sub, attr))
+    return [ParamSlot(fqn, param, tuple(locs)) for fqn, param, locs in found.values()]
+
+
+def _group_by_dtype(slots: list[ParamSlot]) -> "OrderedDict[tuple, list[ParamSlot]]":
+    groups: OrderedDict[tuple, list[ParamSlot]] = OrderedDict()
+    for slot in slots:
+        groups.setdefault((slot.param.dtype, slot.param.requires_grad), []).append(slot)
+    return groups

@@ -1,0 +1,52 @@
+"""Parameters shared between modules (tied embeddings): a parameter must belong
+to a unit whose subtree holds every module that uses it, or it would be
+released while another unit still computes with it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _holders(root: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> names of every module that registers it."""
+    holders: dict[int, list[str]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), []).append(name)
+    return holders
+
+
+def params_used_outside(unit: nn.Module, root: nn.Module) -> set[int]:
+    """ids of parameters inside ``unit`` that a module outside ``unit`` also registers."""
+    inside = {id(m) for m in unit.modules()}
+    outside_ids: set[int] = set()
+    for module in root.modules():
+        if id(module) in inside:
+            continue
+        outside_ids.update(id(p) for p in module._parameters.values() if p is not None)
+    return {id(p) for p in unit.parameters() if id(p) in outside_ids}
+
+
+def check_params_stay_in_units(root: nn.Module) -> None:
+    """Raise if a sharded unit's parameter is registered by a module outside that unit."""
+    owner: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in root.named_modules():
+        state = getattr(module, "_flatfsdp_state", None)
+        if state is not None:
+            for group in state.groups:
+                for param in group.sharded_params:
+                    owner[id(param)] = (name, module)
+    if not owner:
+        return
+    for holder_name, holder in root.named_modules(remove_duplicate=False):
+        for attr, param in holder._parameters.items():
+            if param is None or id(param) not in owner:
+                continue
+            unit_name, unit = owner[id(param)]
+            if not any(m is holder for m in unit.modules()):
+                raise ValueError(
+                    f"parameter '{holder_name + '.' if holder_name else ''}{attr}' belongs to sharded unit "
+                    f"'{unit_name or '<root>'}' but module '{holder_name}' outside that unit also uses it "
+                    "(tied weights?). Shard a module that contains both users, or let the root own it "
+                    "(the one-call fully_shard(model, ..., fsdp_unit_modules=...) does this for you).")

@@ -1,0 +1,183 @@
+"""The runtime of one sharded unit: its hooks and what they do to its param groups.
+
+Forward:  pre-forward gathers (no-op if already gathered), post-forward
+          releases unless the unit is kept gathered.
+Backward: the first gradient reaching an output gathers again; when the
+          gradient reaches the unit's inputs, its parameter gradients are all
+          accumulated, so they are reduced and the weights released.
+Activation recompute runs the forward again inside the backward: the context
+knows a backward is running, so that forward neither gathers twice nor releases.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_map
+
+from flatfsdp.param_group import ParamGroup
+from flatfsdp.precision import MixedPrecisionPolicy
+from flatfsdp.root_context import RootContext
+from flatfsdp.training_state import TrainingState
+
+
+class UnitState:
+    def __init__(self, module: nn.Module, groups: list[ParamGroup], *, policy: MixedPrecisionPolicy,
+                 reshard_after_forward: bool, average_grads: bool, sync_each_microbatch: bool):
+        self._module = weakref.ref(module)
+        self.groups = groups
+        self.policy = policy
+        self.reshard_after_forward = reshard_after_forward
+        self.average_grads = average_grads
+        self.sync_each_microbatch = sync_each_microbatch
+        self.requires_grad_sync = True
+        self.training_state = TrainingState.IDLE
+        self.context: RootContext | None = None
+        self._swapped_in = False
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, with_kwargs=True)
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        assert module is not None, "the sharded module was garbage collected"
+        return module
+
+    @property
+    def is_root(self) -> bool:
+        return self.context is not None and self.context.root is self
+
+    # ---- gather / release ---------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> list:
+        """Gather every group; the module computes with the gathered views."""
+        with record_function("flatfsdp::unshard"):
+            pendings = [group.unshard(async_op) for group in self.groups]
+            if not self._swapped_in:
+                for group in self.groups:
+                    group.use_unsharded_params()
+                self._swapped_in = True
+        return pendings
+
+    def reshard(self) -> None:
+        with record_function("flatfsdp::reshard"):
+            for group in self.groups:
+                group.reshard()
+            if self._swapped_in:
+                for group in self.groups:
+                    group.use_sharded_params()
+                self._swapped_in = False
+
+    def _unshard_now(self) -> None:
+        for pending in self.unshard(async_op=False):
+            pending.wait()
+
+    # ---- forward hooks ------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        context = self._lazy_init()
+        if self.is_root and not context.in_backward:
+            context.before_root_forward()
+        if not context.in_backward:
+            self.training_state = TrainingState.FORWARD
+        self._unshard_now()
+        if torch.is_grad_enabled() and any(g.trainable for g in self.groups):
+            args, kwargs = _PostBackward.register(self, args, kwargs)
+        if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        context = self.context
+        grad = torch.is_grad_enabled()
+        if not context.in_backward:
+            keep = grad and (self.is_root or not self.reshard_after_forward)
+            if not keep:
+                self.reshard()
+            self.training_state = TrainingState.IDLE
+        if grad:
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward)
+        if self.policy.output_dtype is not None:
+            output = _cast_floating(output, self.policy.output_dtype)
+        return output
+
+    # ---- backward -----------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self.context.on_backward_start()
+        if self.training_state != TrainingState.PRE_BACKWARD or not self._swapped_in:
+            with record_function("flatfsdp::pre_backward"):
+                self.training_state = TrainingState.PRE_BACKWARD
+                self._unshard_now()
+        return grad
+
+    def needs_post_backward(self) -> bool:
+        return self._swapped_in or any(p.grad is not None for g in self.groups for p in g.params)
+
+    def post_backward(self) -> None:
+        with record_function("flatfsdp::post_backward"):
+            self.training_state = TrainingState.POST_BACKWARD
+            for group in self.groups:
+                group.accumulate_grads()
+            if self.requires_grad_sync:
+                for group in self.groups:
+                    if group.has_unreduced_grads:
+                        self.context.track(group.reduce_grads(self.average_grads, async_op=True))
+            self.reshard()
+
+    # ---- root discovery -----------------------------------------------------------------
+
+    def _lazy_init(self) -> RootContext:
+        if self.context is not None:
+            return self.context
+        from flatfsdp.tied_params import check_params_stay_in_units
+
+        states = [m._flatfsdp_state for m in self.module.modules() if hasattr(m, "_flatfsdp_state")]
+        check_params_stay_in_units(self.module)
+        context = RootContext(self, states)
+        for state in states:
+            state.context = context
+        return context
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs whose backward runs once gradients reach
+    them, i.e. once the unit's own backward (parameter gradients included,
+    since autograd runs gradient accumulation first) is done."""
+
+    @staticmethod
+    def forward(ctx, state: UnitState, *tensors: torch.Tensor):
+        ctx.state = state
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.state.post_backward()
+        return (None, *grads)
+
+    @staticmethod
+    def register(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not index:
+            return args, kwargs
+        outs = _PostBackward.apply(state, *(flat[i] for i in index))
+        outs = (outs,) if isinstance(outs, torch.Tensor) else outs
+        for i, out in zip(index, outs):
+            flat[i] = out
+        from torch.utils._pytree import tree_unflatten
+        return tree_unflatten(flat, spec)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+    return tree_map(cast, tree)
