@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flatfsdp.root_context import wait_all_reductions
-from flatfsdp.shard_unit import SHARDED_OF, is_sharded_param
+from flatfsdp.registry import SHARDED_OF, is_sharded_param
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None,

@@ -32,6 +32,7 @@ from flatfsdp.buffer import FlatBuffer
 from flatfsdp.collectives import Pending
 from flatfsdp.layout import build_layout
 from flatfsdp.precision import MixedPrecisionPolicy
+from flatfsdp.registry import weights_epoch
 from flatfsdp.strategy import ShardingStrategy
 
 ALIGN_ELEMENTS = 8
@@ -71,7 +72,7 @@ class ParamGroup:
         self._allocate(device)
         self._fill_from_params()
         self._make_views()
-        self._main_version = -1 if self.strategy.shards_main_weights else self._weights_version()
+        self._main_version = (-1, -1) if self.strategy.shards_main_weights else self._weights_version()
 
     # ---- construction -------------------------------------------------------------------
 
@@ -184,11 +185,12 @@ class ParamGroup:
                 self.model_local.copy_(self.main)
             self._main_version = self._weights_version()
 
-    def _weights_version(self) -> int:
-        """Changes whenever the main weights are written in place: the optimizer
-        (or the user) writes through the DTensor parameters, and only their
-        version counters see it (DTensor updates its local tensor below autograd)."""
-        return sum(p._version for p in self.sharded_params) + self.main._version
+    def _weights_version(self) -> tuple[int, int]:
+        """Changes whenever the main weights may have been written: an optimizer
+        step over sharded parameters (the registry's epoch) or an in-place edit
+        of a DTensor parameter (its version counter; DTensor updates its local
+        tensor below autograd, so ``main``'s own counter does not move)."""
+        return weights_epoch(), sum(p._version for p in self.sharded_params)
 
     def _record_main_version(self) -> None:
         self._main_version = self._weights_version()

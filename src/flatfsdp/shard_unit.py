@@ -8,24 +8,14 @@ from collections import OrderedDict
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.weak import WeakIdKeyDictionary
 
 from flatfsdp.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.mesh import mesh_device
 from flatfsdp.param_group import ParamGroup, ParamSlot
 from flatfsdp.precision import MixedPrecisionPolicy
+from flatfsdp.registry import ORIGINAL_OF, SHARDED_OF, is_sharded_param
 from flatfsdp.strategy import ShardingStrategy
 from flatfsdp.unit_state import UnitState
-
-SHARDED_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Original parameter -> the DTensor parameter the optimizer steps in its place."""
-ORIGINAL_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""The reverse map."""
-
-
-def is_sharded_param(param: torch.Tensor) -> bool:
-    return param in ORIGINAL_OF
-
 
 def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
                reshard_after_forward: bool = True, average_grads: bool = True, sync_each_microbatch: bool = True,

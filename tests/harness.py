@@ -1,0 +1,64 @@
+"""Run a function on N real processes (gloo on CPU) and collect each rank's result.
+
+Workers are module-level functions ``fn(rank, world_size, *args)``; a failure on
+any rank fails the caller with that rank's traceback, and a hang is cut off by
+a timeout instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, queue, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # Plain pickle copies tensors into bytes; torch's queue pickler would
+        # pass shared-memory handles that die with this process.
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # report everything, including assertion errors
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
+    """Results of ``fn`` on every rank, in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{payload}")
+            results[rank] = pickle.loads(payload)  # our own child's results, not outside data
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
