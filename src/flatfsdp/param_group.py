@@ -137,15 +137,28 @@ class ParamGroup:
             p.data = self.model_full.view(seg.offset, seg.end, self.shapes[i])
             a, b = self._local_piece(i)
             start, end = seg.offset + a - lo, seg.offset + b - lo
-            spec = dict(shape=torch.Size([seg.numel]), stride=(1,), run_check=False)
-            local = DTensor.from_local(self.main[start:end], self.mesh, [placement], **spec)
+            local = DTensor.from_local(self._piece(self.main, start, end, i), self.mesh, [placement],
+                                       **self._dtensor_spec(i))
             self.sharded_params.append(nn.Parameter(local, requires_grad=self.trainable))
             if self.trainable:
                 self._grad_views.append(self.main_grad[start:end])
-                self._grad_dtensors.append(DTensor.from_local(self.main_grad[start:end], self.mesh,
-                                                              [placement], **spec))
+                self._grad_dtensors.append(DTensor.from_local(self._piece(self.main_grad, start, end, i),
+                                                              self.mesh, [placement], **self._dtensor_spec(i)))
         if self.strategy.shards_model_weights:
             self.model_full.free()
+
+    def _dtensor_spec(self, index: int) -> dict:
+        """DTensors carry the parameter's true global shape, so code that looks at
+        ``p.shape`` / ``p.ndim`` (weight-decay rules, logging) sees what it would
+        unsharded. Sharded, the local tensor is the rank's flat piece -- fine for
+        the elementwise math optimizers and norms do; see docs/contract.md."""
+        shape = self.shapes[index]
+        return dict(shape=shape, stride=_contiguous_strides(shape), run_check=False)
+
+    def _piece(self, flat: torch.Tensor, start: int, end: int, index: int) -> torch.Tensor:
+        # Replicated (no_shard), the piece is the whole parameter: give it its shape.
+        piece = flat[start:end]
+        return piece if self.strategy.shards_main_weights else piece.view(self.shapes[index])
 
     def _local_piece(self, index: int) -> tuple[int, int]:
         if not self.strategy.shards_main_weights:
@@ -324,3 +337,11 @@ class ParamGroup:
                 seen.add(key)
                 total += storage.nbytes()
         return total
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
