@@ -53,7 +53,7 @@ def _owned_slots(module: nn.Module, exclude: frozenset[int]) -> list[ParamSlot]:
             if param is None or id(param) in exclude or is_sharded_param(param):
                 continue
             if param in SHARDED_OF:
-                continue  # a unit below owns it and is gathered right now
+                raise _used_outside_its_unit(module, f"{mod_name}.{attr}" if mod_name else attr, param)
             fqn = f"{mod_name}.{attr}" if mod_name else attr
             entry = found.setdefault(id(param), (fqn, param, []))
             if not any(m is sub and a == attr for m, a in entry[2]):
@@ -66,3 +66,13 @@ def _group_by_dtype(slots: list[ParamSlot]) -> "OrderedDict[tuple, list[ParamSlo
     for slot in slots:
         groups.setdefault((slot.param.dtype, slot.param.requires_grad), []).append(slot)
     return groups
+
+
+def _used_outside_its_unit(module: nn.Module, fqn: str, param: nn.Parameter) -> ValueError:
+    """A unit below took ``param`` while a module outside that unit still uses it."""
+    owner = next((name for name, m in module.named_modules() if isinstance(m, FSDPModule)
+                  and any(param is p for g in m._flatfsdp_state.groups for p in g.params)), "?")
+    return ValueError(
+        f"parameter '{fqn}' belongs to sharded unit '{owner}' but is also used outside it (tied weights?). "
+        "Shard a module that contains every user of it, or let the root own it (the one-call "
+        "fully_shard(model, ..., fsdp_unit_modules=...) does this for you).")
