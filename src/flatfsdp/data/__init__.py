@@ -1,0 +1,1 @@
+"""Text shipped with flatfsdp for the training command (original prose, same license as the package)."""
