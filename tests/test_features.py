@@ -170,8 +170,46 @@ def against_fsdp2(rank, world):
     return out
 
 
+def api_details(rank, world):
+    """String unit paths, a named mesh dimension, bf16 reduction, summed
+    gradients, deferred gradient sync, Adam, and what wrapping leaves alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    out = {}
+
+    def by_path(opt_name, **kw):
+        model = make_model()
+        opt = make_optimizer(opt_name, model.named_parameters())
+        return flatfsdp.fully_shard(model, opt, device_mesh=mesh, dp_shard_dim="dp",
+                                    fsdp_unit_modules=["flatfsdp.models.gpt.TransformerBlock"], **kw)
+    out["string_path_and_mesh_dim"] = _compare(make_model, by_path, rank, world)
+    out["deferred_sync"] = _compare(make_model, lambda o: by_path(o, sync_model_each_microbatch=False),
+                                    rank, world, micro=2)
+    out["adam"] = _compare(make_model, lambda o: by_path(o), rank, world, opt_name="adam")
+    policy = flatfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    out["bf16_reduce"] = _compare(make_model, lambda o: by_path(o, mixed_precision_policy=policy), rank, world,
+                                  opt_name="adamw")
+    # Wrapping keeps param groups and hyperparameters, and steps nothing.
+    model = make_model()
+    opt = make_optimizer("adamw", model.named_parameters())
+    before = [(len(g["params"]), g["weight_decay"], g["lr"]) for g in opt.param_groups]
+    model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=[TransformerBlock])
+    out["groups"] = (before, [(len(g["params"]), g["weight_decay"], g["lr"]) for g in opt.param_groups],
+                     len(opt.state), all(isinstance(p, torch.distributed.tensor.DTensor)
+                                         for g in opt.param_groups for p in g["params"]))
+    # Per-token loss: gradients are summed over ranks, not averaged.
+    norms = []
+    for per_token in (False, True):
+        model, _ = shard_gpt("optim_grads_params", calculate_per_token_loss=per_token)
+        x = local_slice(batches(1)[0], rank, world)
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor().item())
+    out["per_token_norm_ratio"] = norms[1] / norms[0]
+    return out
+
+
 def feature_worker(rank, world):
-    return {"accumulation": accumulation(rank, world), "clipping": clipping(rank, world),
+    return {"api": api_details(rank, world), "accumulation": accumulation(rank, world), "clipping": clipping(rank, world),
             "frozen": frozen(rank, world), "extras": extras(rank, world),
             "units": nested_and_tied_units(rank, world), "fsdp2": against_fsdp2(rank, world)}
 
@@ -223,3 +261,23 @@ def test_fsdp2_script_gives_fsdp2_losses_after_changing_the_import(results):
         for (loss, norm), (ref_loss, ref_norm) in zip(ours, theirs):
             assert abs(loss - ref_loss) <= loss_tol * ref_loss, (name, ours, theirs)
             assert abs(norm - ref_norm) <= norm_tol * ref_norm, (name, ours, theirs)
+
+
+@pytest.mark.parametrize("case", ["string_path_and_mesh_dim", "deferred_sync", "adam"])
+def test_api_variants_train_like_reference(results, case):
+    loss_diff, param_diff, _ = results["api"][case]
+    assert loss_diff < 1e-5 and param_diff < (1e-5 if case != "adam" else 0.05), (case, loss_diff, param_diff)
+
+
+def test_bf16_gradient_reduction_trains_within_bf16_tolerance(results):
+    loss_diff, _, _ = results["api"]["bf16_reduce"]
+    assert loss_diff < 0.05
+
+
+def test_wrapping_keeps_param_groups_and_steps_nothing(results):
+    before, after, n_state, all_dtensors = results["api"]["groups"]
+    assert before == after and n_state == 0 and all_dtensors
+
+
+def test_calculate_per_token_loss_sums_gradients_over_ranks(results):
+    assert abs(results["api"]["per_token_norm_ratio"] - 2.0) < 1e-5

@@ -48,6 +48,8 @@ def make_optimizer(name: str, params_source) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                   {"params": no_decay, "weight_decay": 0.0}], lr=3e-3, foreach=True)
+    if name == "adam":
+        return torch.optim.Adam([{"params": decay}, {"params": no_decay, "lr": 1e-3}], lr=3e-3)
     if name == "sgd":
         return torch.optim.SGD([{"params": decay}, {"params": no_decay, "lr": 0.05}], lr=0.1, momentum=0.9)
     raise ValueError(name)
