@@ -21,8 +21,9 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> None:
         """Gather this unit's parameters now (e.g. before calling a method other than forward)."""
-        for pending in self._flatfsdp_state.unshard(async_op=async_op):
-            pending.wait()
+        self._flatfsdp_state.unshard(async_op=async_op)
+        if not async_op:
+            self._flatfsdp_state.wait_unshard()
 
     def reshard(self) -> None:
         """Release the gathered parameters; the module shows its sharded DTensors again."""

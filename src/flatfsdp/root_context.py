@@ -34,6 +34,10 @@ class RootContext:
         self.in_backward = False
         self.sync_each_microbatch = root.sync_each_microbatch
         self._pending: deque[Pending] = deque()
+        # Units in the order their forwards ran: this step's (for backward
+        # prefetch) and the last complete step's (for forward prefetch).
+        self._order: list["UnitState"] = []
+        self._last_order: list["UnitState"] = []
         _LIVE_CONTEXTS.add(self)
 
     # ---- reductions in flight ----------------------------------------------------------
@@ -71,8 +75,35 @@ class RootContext:
             self.in_backward = False
 
     def before_root_forward(self) -> None:
-        """A new forward: reductions left running by an unsynced step land first."""
+        """A new forward: reductions left running by an unsynced step land
+        first, and the order recorded last time guides this step's prefetch."""
         self.wait_reductions()
+        if self._order:
+            self._last_order, self._order = self._order, []
+
+    # ---- execution order -----------------------------------------------------------------
+
+    def record_forward(self, state: "UnitState") -> None:
+        if state not in self._order:
+            self._order.append(state)
+
+    def next_in_forward(self, state: "UnitState") -> "UnitState | None":
+        return _neighbour(self._last_order, state, +1)
+
+    def previous_in_forward(self, state: "UnitState") -> "UnitState | None":
+        return _neighbour(self._order, state, -1)
+
+    def reshard_all(self) -> None:
+        for state in self.states:
+            state.reshard()
+
+
+def _neighbour(order: list, state, step: int):
+    try:
+        index = order.index(state) + step
+    except ValueError:
+        return None
+    return order[index] if 0 <= index < len(order) else None
 
 
 def wait_all_reductions() -> None:

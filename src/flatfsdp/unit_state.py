@@ -38,6 +38,7 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self.context: RootContext | None = None
         self._swapped_in = False
+        self._gathers: list = []
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, with_kwargs=True)
 
@@ -53,28 +54,43 @@ class UnitState:
 
     # ---- gather / release ---------------------------------------------------------------
 
-    def unshard(self, async_op: bool = False) -> list:
-        """Gather every group; the module computes with the gathered views."""
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather every group (no-op if gathered or on the way); the module
+        computes with the gathered views once ``wait_unshard`` returns."""
+        if self._swapped_in:
+            return
         with record_function("flatfsdp::unshard"):
-            pendings = [group.unshard(async_op) for group in self.groups]
-            if not self._swapped_in:
-                for group in self.groups:
-                    group.use_unsharded_params()
-                self._swapped_in = True
-        return pendings
+            self._gathers = [group.unshard(async_op) for group in self.groups]
+            for group in self.groups:
+                group.use_unsharded_params()
+            self._swapped_in = True
+
+    def wait_unshard(self) -> None:
+        gathers, self._gathers = self._gathers, []
+        if gathers:
+            with record_function("flatfsdp::wait_unshard"):
+                for pending in gathers:
+                    pending.wait()
 
     def reshard(self) -> None:
+        if not self._swapped_in:
+            return
         with record_function("flatfsdp::reshard"):
+            self.wait_unshard()
             for group in self.groups:
                 group.reshard()
-            if self._swapped_in:
-                for group in self.groups:
-                    group.use_sharded_params()
-                self._swapped_in = False
+                group.use_sharded_params()
+            self._swapped_in = False
 
     def _unshard_now(self) -> None:
-        for pending in self.unshard(async_op=False):
-            pending.wait()
+        self.unshard(async_op=False)
+        self.wait_unshard()
+
+    def _prefetch(self, state: "UnitState | None") -> None:
+        """Start gathering ``state``'s weights so they arrive while this unit computes."""
+        if state is not None and not state._swapped_in:
+            with record_function("flatfsdp::prefetch"):
+                state.unshard(async_op=True)
 
     # ---- forward hooks ------------------------------------------------------------------
 
@@ -84,7 +100,10 @@ class UnitState:
             context.before_root_forward()
         if not context.in_backward:
             self.training_state = TrainingState.FORWARD
+            context.record_forward(self)
         self._unshard_now()
+        if not context.in_backward:
+            self._prefetch(context.next_in_forward(self))
         if torch.is_grad_enabled() and any(g.trainable for g in self.groups):
             args, kwargs = _PostBackward.register(self, args, kwargs)
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
@@ -98,6 +117,8 @@ class UnitState:
             keep = grad and (self.is_root or not self.reshard_after_forward)
             if not keep:
                 self.reshard()
+            if self.is_root and not grad:
+                context.reshard_all()  # no backward will: release prefetched units
             self.training_state = TrainingState.IDLE
         if grad:
             for tensor in tree_flatten(output)[0]:
@@ -115,6 +136,7 @@ class UnitState:
             with record_function("flatfsdp::pre_backward"):
                 self.training_state = TrainingState.PRE_BACKWARD
                 self._unshard_now()
+                self._prefetch(self.context.previous_in_forward(self))
         return grad
 
     def needs_post_backward(self) -> bool:
