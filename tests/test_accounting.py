@@ -4,6 +4,8 @@ zero-size local shards at 4 ranks."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -33,7 +35,9 @@ def _theory_bytes(strategy: str, numel: int, world: int, bf16: bool) -> float:
 def accounting_worker(rank, world):
     out = {}
     x = local_slice(batches(1)[0], rank, world)
-    for bf16 in (False, True):
+    for bf16, native in ((False, False), (True, False), (False, True), (True, True)):
+        # native: gloo's own reduce-scatter instead of all-reduce + slice.
+        os.environ["FLATFSDP_GLOO_REDUCE_SCATTER"] = "native" if native else "all_reduce"
         for strategy in STRATEGIES:
             model, opt = shard_gpt(strategy, bf16=bf16)
             numel = sum(p.numel() for p in model.parameters())
@@ -45,7 +49,7 @@ def accounting_worker(rank, world):
                 opt.step()
                 opt.zero_grad()
             comm = flatfsdp.comm_account().snapshot()
-            out[(strategy, bf16)] = (flatfsdp.persistent_buffer_bytes(model), numel, root_numel, comm)
+            out[(strategy, bf16, native)] = (flatfsdp.persistent_buffer_bytes(model), numel, root_numel, comm)
     empty = 0
     model, _ = shard_gpt("optim_grads_params")
     for p in model.parameters():
@@ -64,25 +68,29 @@ def results(request):
 def test_persistent_bytes_equal_theoretical_share(results, strategy, bf16):
     world, per_rank = results
     for out in per_rank:
-        held, numel, _, _ = out[(strategy, bf16)]
+        held, numel, _, _ = out[(strategy, bf16, False)]
         assert held == _theory_bytes(strategy, numel, world, bf16), (strategy, bf16, held)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["gloo-all-reduce", "native-reduce-scatter"])
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_bytes_communicated_per_step_are_the_strategy_minimum(results, strategy, bf16):
+def test_bytes_communicated_per_step_are_the_strategy_minimum(results, strategy, bf16, native):
     world, per_rank = results
-    _, numel, root_numel, comm = per_rank[0][(strategy, bf16)]
+    _, numel, root_numel, comm = per_rank[0][(strategy, bf16, native)]
     weight_bytes = 2 if bf16 else 4
     grad_bytes = 4  # fp32 reduction in both recipes
+    # On gloo the gradient reduce-scatter runs as an all-reduce of the same
+    # buffer (Note [gloo reduce-scatter]); the buffer bytes are the same.
+    reduce = "reduce_scatter" if native else "all_reduce"
     if strategy == "no_shard":
         expected = {"all_reduce": numel * grad_bytes}
     elif strategy == "optim_grads_params":
         # Gathered for forward, again for backward -- except the root, kept
         # gathered from its forward to its backward.
-        expected = {"all_gather": (2 * numel - root_numel) * weight_bytes, "reduce_scatter": numel * grad_bytes}
+        expected = {"all_gather": (2 * numel - root_numel) * weight_bytes, reduce: numel * grad_bytes}
     else:
-        expected = {"all_gather": numel * weight_bytes, "reduce_scatter": numel * grad_bytes}
+        expected = {"all_gather": numel * weight_bytes, reduce: numel * grad_bytes}
     assert {k: v["bytes"] for k, v in comm.items()} == expected
 
 

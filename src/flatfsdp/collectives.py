@@ -7,6 +7,7 @@ is how overlap is expressed on both CUDA streams and CPU (gloo work handles).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,12 +50,34 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
 
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool = False) -> Pending:
-    """Sum ``flat`` over the group; this rank's equal slice lands in ``output``."""
+    """Sum ``flat`` over the group; this rank's equal slice lands in ``output``.
+    ``flat`` may be overwritten (it is a transient gradient buffer)."""
+    if _reduce_scatter_by_all_reduce(group):
+        # See Note [gloo reduce-scatter].
+        pending = all_reduce(flat, group, async_op)
+        shard = flat.numel() // group.size()
+        mine = flat[group.rank() * shard:(group.rank() + 1) * shard]
+        if mine.data_ptr() != output.data_ptr():
+            pending.then.append(lambda: output.copy_(mine))
+        return pending
     comm_account().add("reduce_scatter", _nbytes(flat))
     with record_function("flatfsdp::reduce_scatter"):
         work = dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group,
                                           async_op=async_op)
     return Pending(work)
+
+
+# Note [gloo reduce-scatter]
+# gloo's reduce-scatter of a buffer takes about 1.7x as long as its all-reduce
+# of the same buffer (measured here: 128 MB, 2 ranks: 244 ms against 141 ms),
+# so on gloo gradients are all-reduced in place and each rank keeps its slice.
+# The account records what ran (an all-reduce). NCCL's reduce-scatter is the
+# cheaper one there and is used as is. FLATFSDP_GLOO_REDUCE_SCATTER=native
+# restores the plain reduce-scatter on gloo.
+def _reduce_scatter_by_all_reduce(group: dist.ProcessGroup) -> bool:
+    if os.environ.get("FLATFSDP_GLOO_REDUCE_SCATTER", "all_reduce") == "native":
+        return False
+    return dist.get_backend(group) == "gloo"
 
 
 def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
