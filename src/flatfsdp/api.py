@@ -29,10 +29,11 @@ _NOT_YET = {"dp_outer_dim", "tp_dim", "hybrid_fsdp_group", "expt_device_mesh", "
 def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                 mesh: DeviceMesh | None = None, device_mesh: DeviceMesh | None = None,
                 dp_shard_dim: str | None = None, fsdp_unit_modules: Iterable[type | str] | None = None,
-                zero_dp_strategy: ShardingStrategy | int | str = 3, reshard_after_forward: bool = True,
+                zero_dp_strategy: ShardingStrategy | int | str = 3, reshard_after_forward: bool | None = None,
                 mp_policy: Any = None, mixed_precision_policy: Any = None, sync_model_each_microbatch: bool = True,
                 calculate_per_token_loss: bool = False, grad_reduce_in_fp32: bool = False,
-                preserve_fp32_weights: bool = True, init_model_with_meta_device: bool = False, **kwargs: Any):
+                preserve_fp32_weights: bool = True, init_model_with_meta_device: bool = False,
+                prefetch_bytes: int | None = None, **kwargs: Any):
     """Shard ``module``.
 
     * ``fully_shard(model, optimizer, fsdp_unit_modules=[Block], ...)`` shards every
@@ -44,6 +45,7 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     options = _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs)
+    options["prefetch_bytes"] = prefetch_bytes
     if fsdp_unit_modules is None and optimizer is None:
         shard_unit(module, reshard_after_forward=reshard_after_forward, **options)
         return module
@@ -58,13 +60,14 @@ def fully_shard_model(module: nn.Module, *, fsdp_unit_modules: Iterable[type | s
                       zero_dp_strategy: ShardingStrategy | int | str = 3, mixed_precision_policy: Any = None,
                       sync_model_each_microbatch: bool = True, calculate_per_token_loss: bool = False,
                       grad_reduce_in_fp32: bool = False, preserve_fp32_weights: bool = True,
-                      init_model_with_meta_device: bool = False, reshard_after_forward: bool = True,
-                      **kwargs: Any) -> nn.Module:
+                      init_model_with_meta_device: bool = False, reshard_after_forward: bool | None = None,
+                      prefetch_bytes: int | None = None, **kwargs: Any) -> nn.Module:
     """Megatron-FSDP's model half: shard units bottom-up, then the root. Bind an
     optimizer afterwards with ``fully_shard_optimizer``."""
     options = _options(None, device_mesh, dp_shard_dim, zero_dp_strategy, None, mixed_precision_policy,
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs)
+    options["prefetch_bytes"] = prefetch_bytes
     _shard_model(module, fsdp_unit_modules or (), reshard_after_forward, options)
     return module
 

@@ -35,9 +35,11 @@ class FSDPModule:
         for state in self._states(recurse):
             state.requires_grad_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | None, *, recurse: bool = True) -> None:
         """False keeps the unit gathered from its forward to its backward: one
-        all-gather fewer per step, its full weights held meanwhile."""
+        all-gather fewer per step, its full weights held meanwhile. True always
+        releases. None (the default): release, except the unit that runs last
+        in forward, whose backward follows at once."""
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
 

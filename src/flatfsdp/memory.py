@@ -16,3 +16,15 @@ def persistent_buffer_bytes(model: nn.Module) -> int:
         if state is not None:
             total += sum(group.persistent_bytes() for group in state.groups)
     return total
+
+
+def allocated_buffer_bytes(model: nn.Module) -> int:
+    """Bytes the engine's buffers hold on this rank right now, transient ones
+    included. Between steps it equals ``persistent_buffer_bytes``: anything
+    more is a leak."""
+    total = 0
+    for module in model.modules():
+        state = getattr(module, "_flatfsdp_state", None)
+        if state is not None:
+            total += sum(group.allocated_bytes() for group in state.groups)
+    return total

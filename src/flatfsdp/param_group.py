@@ -326,17 +326,33 @@ class ParamGroup:
 
     def persistent_bytes(self) -> int:
         """Bytes this rank keeps between steps in this group's buffers."""
-        seen, total = set(), 0
+        tensors = [self.model_local, self.main]
+        if not self.strategy.shards_model_weights:
+            tensors.append(self.model_full.data)
+        if self.trainable:
+            tensors.append(self.main_grad)
+            if not self.strategy.shards_grads:
+                tensors.append(self.grad_full.data)
+        return _distinct_storage_bytes(tensors)
+
+    def allocated_bytes(self) -> int:
+        """Bytes this group's buffers hold right now, transient ones included."""
         tensors = [self.model_full.data, self.model_local, self.main]
         if self.trainable:
-            tensors += [self.grad_full.data, self.main_grad]
-        for t in tensors:
-            storage = t.untyped_storage()
-            key = storage.data_ptr(), storage.nbytes()
-            if storage.nbytes() and key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-        return total
+            tensors += [self.grad_full.data, self.main_grad, self._scratch_grad.data]
+        return _distinct_storage_bytes(tensors)
+
+
+def _distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (aliases count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr(), storage.nbytes()
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ class RootContext:
         self.states = states
         self.in_backward = False
         self.sync_each_microbatch = root.sync_each_microbatch
+        self.prefetch_bytes = root.prefetch_bytes
         self._pending: deque[Pending] = deque()
         # Units in the order their forwards ran: this step's (for backward
         # prefetch) and the last complete step's (for forward prefetch).
@@ -87,23 +88,36 @@ class RootContext:
         if state not in self._order:
             self._order.append(state)
 
-    def next_in_forward(self, state: "UnitState") -> "UnitState | None":
-        return _neighbour(self._last_order, state, +1)
+    def next_in_forward(self, state: "UnitState") -> list["UnitState"]:
+        return _ahead(self._last_order, state, +1, self.prefetch_bytes)
 
-    def previous_in_forward(self, state: "UnitState") -> "UnitState | None":
-        return _neighbour(self._order, state, -1)
+    def is_last_in_forward(self, state: "UnitState") -> bool:
+        return bool(self._last_order) and self._last_order[-1] is state
+
+    def previous_in_forward(self, state: "UnitState") -> list["UnitState"]:
+        return _ahead(self._order, state, -1, self.prefetch_bytes)
 
     def reshard_all(self) -> None:
         for state in self.states:
             state.reshard()
 
 
-def _neighbour(order: list, state, step: int):
+def _ahead(order: list, state, step: int, limit_bytes: int | None) -> list:
+    """The units after ``state`` in ``order`` (``step`` = +1 forward, -1
+    backward) whose gathers fit in ``limit_bytes`` -- at least the next one;
+    None: exactly the next one."""
     try:
         index = order.index(state) + step
     except ValueError:
-        return None
-    return order[index] if 0 <= index < len(order) else None
+        return []
+    chosen, total = [], 0
+    while 0 <= index < len(order):
+        total += order[index].gathered_bytes
+        if chosen and (limit_bytes is None or total > limit_bytes):
+            break
+        chosen.append(order[index])
+        index += step
+    return chosen
 
 
 def wait_all_reductions() -> None:

@@ -18,8 +18,9 @@ from flatfsdp.strategy import ShardingStrategy
 from flatfsdp.unit_state import UnitState
 
 def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
-               reshard_after_forward: bool = True, average_grads: bool = True, sync_each_microbatch: bool = True,
-               exclude: frozenset[int] = frozenset(), name: str = "") -> UnitState:
+               reshard_after_forward: bool | None = None, average_grads: bool = True, sync_each_microbatch: bool = True,
+               exclude: frozenset[int] = frozenset(), name: str = "", prefetch_bytes: int | None = None
+               ) -> UnitState:
     if isinstance(module, FSDPModule):
         raise ValueError(f"module '{name or type(module).__name__}' ({type(module).__name__}) is already sharded; "
                          "call fully_shard once per module")
@@ -39,7 +40,8 @@ def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrateg
             ORIGINAL_OF[sharded] = original
         group.use_sharded_params()
     state = UnitState(module, groups, policy=policy, reshard_after_forward=reshard_after_forward,
-                      average_grads=average_grads, sync_each_microbatch=sync_each_microbatch)
+                      average_grads=average_grads, sync_each_microbatch=sync_each_microbatch,
+                      prefetch_bytes=prefetch_bytes)
     become_fsdp_module(module, state)
     return state
 

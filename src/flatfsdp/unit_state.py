@@ -27,13 +27,15 @@ from flatfsdp.training_state import TrainingState
 
 class UnitState:
     def __init__(self, module: nn.Module, groups: list[ParamGroup], *, policy: MixedPrecisionPolicy,
-                 reshard_after_forward: bool, average_grads: bool, sync_each_microbatch: bool):
+                 reshard_after_forward: bool | None, average_grads: bool, sync_each_microbatch: bool,
+                 prefetch_bytes: int | None = None):
         self._module = weakref.ref(module)
         self.groups = groups
         self.policy = policy
         self.reshard_after_forward = reshard_after_forward
         self.average_grads = average_grads
         self.sync_each_microbatch = sync_each_microbatch
+        self.prefetch_bytes = prefetch_bytes
         self.requires_grad_sync = True
         self.training_state = TrainingState.IDLE
         self.context: RootContext | None = None
@@ -86,11 +88,16 @@ class UnitState:
         self.unshard(async_op=False)
         self.wait_unshard()
 
-    def _prefetch(self, state: "UnitState | None") -> None:
-        """Start gathering ``state``'s weights so they arrive while this unit computes."""
-        if state is not None and not state._swapped_in:
-            with record_function("flatfsdp::prefetch"):
-                state.unshard(async_op=True)
+    def _prefetch(self, states: list["UnitState"]) -> None:
+        """Start gathering these units' weights so they arrive while this unit computes."""
+        for state in states:
+            if not state._swapped_in:
+                with record_function("flatfsdp::prefetch"):
+                    state.unshard(async_op=True)
+
+    @property
+    def gathered_bytes(self) -> int:
+        return sum(g.model_full.numel * g.model_full.data.element_size() for g in self.groups)
 
     # ---- forward hooks ------------------------------------------------------------------
 
@@ -114,7 +121,7 @@ class UnitState:
         context = self.context
         grad = torch.is_grad_enabled()
         if not context.in_backward:
-            keep = grad and (self.is_root or not self.reshard_after_forward)
+            keep = grad and self._keep_gathered_after_forward(context)
             if not keep:
                 self.reshard()
             if self.is_root and not grad:
@@ -127,6 +134,15 @@ class UnitState:
         if self.policy.output_dtype is not None:
             output = _cast_floating(output, self.policy.output_dtype)
         return output
+
+    def _keep_gathered_after_forward(self, context: RootContext) -> bool:
+        """The root always stays gathered (its backward comes last and it is
+        needed throughout); so, unless told otherwise, does the unit that ran
+        last in the previous step's forward: its backward comes first, so
+        releasing it would only gather it again at once."""
+        if self.is_root or self.reshard_after_forward is False:
+            return True
+        return self.reshard_after_forward is None and context.is_last_in_forward(self)
 
     # ---- backward -----------------------------------------------------------------------
 

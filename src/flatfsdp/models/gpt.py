@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class GPTConfig:
     """Width of the residual stream."""
     tie_embeddings: bool = True
     """Share the token embedding with the output projection."""
+    recompute: str = "none"
+    """Activation recompute per block: "none", "reentrant" or "non_reentrant"
+    (torch.utils.checkpoint), trading compute for activation memory."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -75,6 +79,8 @@ class TransformerBlock(nn.Module):
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
+        if config.recompute not in ("none", "reentrant", "non_reentrant"):
+            raise ValueError(f"recompute must be none, reentrant or non_reentrant, got {config.recompute!r}")
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
@@ -102,7 +108,10 @@ class GPT(nn.Module):
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.blocks:
-            x = block(x)
+            if self.config.recompute == "none":
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.config.recompute == "reentrant")
         return self.lm_head(self.ln_f(x))
 
 
