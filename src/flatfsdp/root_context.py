@@ -32,6 +32,7 @@ class RootContext:
         self.root = root
         self.states = states
         self.in_backward = False
+        self.training_forward = False
         self.sync_each_microbatch = root.sync_each_microbatch
         self.prefetch_bytes = root.prefetch_bytes
         self._pending: deque[Pending] = deque()

@@ -105,6 +105,9 @@ class UnitState:
         context = self._lazy_init()
         if self.is_root and not context.in_backward:
             context.before_root_forward()
+            # A training step, even where a reentrant recompute region runs
+            # its first forward under no_grad inside it.
+            context.training_forward = torch.is_grad_enabled()
         if not context.in_backward:
             self.training_state = TrainingState.FORWARD
             context.record_forward(self)
@@ -121,10 +124,10 @@ class UnitState:
         context = self.context
         grad = torch.is_grad_enabled()
         if not context.in_backward:
-            keep = grad and self._keep_gathered_after_forward(context)
+            keep = context.training_forward and self._keep_gathered_after_forward(context)
             if not keep:
                 self.reshard()
-            if self.is_root and not grad:
+            if self.is_root and not context.training_forward:
                 context.reshard_all()  # no backward will: release prefetched units
             self.training_state = TrainingState.IDLE
         if grad:
