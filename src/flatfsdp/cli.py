@@ -7,9 +7,10 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": "flatfsdp.train", "bench": "flatfsdp.bench.__main__"}
+    commands = {"train": "flatfsdp.train", "bench": "flatfsdp.bench.__main__",
+                "checkpoint": "flatfsdp.checkpoint.cli"}
     if not argv or argv[0] not in commands:
-        print("usage: flatfsdp {train,bench} [options]   (flatfsdp COMMAND --help for options)", file=sys.stderr)
+        print("usage: flatfsdp {train,bench,checkpoint} [options]   (flatfsdp COMMAND --help for options)", file=sys.stderr)
         raise SystemExit(2)
     module = __import__(commands[argv[0]], fromlist=["main"])
     module.main(argv[1:])
