@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from flatfsdp.root_context import wait_all_reductions
+from flatfsdp.state_dict import install_optimizer_hooks
 from flatfsdp.registry import SHARDED_OF, is_sharded_param
 
 
@@ -35,9 +36,15 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, model: torch.nn.M
                     f"is not a parameter of the sharded model" + (f" {type(model).__name__}" if model else ""))
             bound.append(sharded)
         group["params"] = bound
-    if not getattr(optimizer, "_flatfsdp_bound", False):
-        # Reductions may still be in flight when the model was sharded with
-        # sync_model_each_microbatch=False: they must land before a step.
-        optimizer.register_step_pre_hook(lambda *_: wait_all_reductions())
-        optimizer._flatfsdp_bound = True
+    install_hooks(optimizer)
     return optimizer
+
+
+def install_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Once per optimizer: name-keyed reshardable state dicts, and a wait for
+    reductions still in flight (``sync_model_each_microbatch=False``) before a step."""
+    if getattr(optimizer, "_flatfsdp_bound", False):
+        return
+    install_optimizer_hooks(optimizer)
+    optimizer.register_step_pre_hook(lambda *_: wait_all_reductions())
+    optimizer._flatfsdp_bound = True

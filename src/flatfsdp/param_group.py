@@ -47,6 +47,8 @@ class ParamSlot:
     fqn: str
     param: nn.Parameter
     locations: tuple[tuple[nn.Module, str], ...]
+    keys: tuple[str, ...] = ()
+    """The state-dict key of every location, relative to the unit."""
 
 
 class ParamGroup:
@@ -321,6 +323,38 @@ class ParamGroup:
             self._used[i] = False
         if accum is self._scratch_grad or self.strategy.shards_grads:
             accum.free()
+
+    # ---- checkpoint views ---------------------------------------------------------------
+
+    def piece_bounds(self, index: int) -> tuple[int, int]:
+        """Where parameter ``index``'s local piece sits in this rank's main buffer."""
+        a, b = self._local_piece(index)
+        start = self.layout.segments[index].offset + a - self.local_range[0]
+        return start, start + (b - a)
+
+    def gather_full(self, pieces: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+        """The whole flat group (N elements) from every rank's pieces of every
+        parameter (None: zeros). One all-gather, or none when replicated."""
+        lo, hi = self.local_range
+        local = torch.zeros(hi - lo, dtype=dtype, device=self.main.device)
+        for index, piece in enumerate(pieces):
+            if piece is not None:
+                start, end = self.piece_bounds(index)
+                local[start:end].copy_(piece.reshape(-1))
+        if not self.strategy.shards_main_weights:
+            return local
+        full = torch.empty(self.layout.padded_numel, dtype=dtype, device=local.device)
+        collectives.all_gather(full, local, self.pg).wait()
+        return full
+
+    def full_param(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        seg = self.layout.segments[index]
+        return full[seg.offset:seg.end].view(self.shapes[index])
+
+    def own_piece(self, full_param: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's flat piece of a full-size value of parameter ``index``."""
+        a, b = self._local_piece(index)
+        return full_param.reshape(-1)[a:b]
 
     # ---- accounting ---------------------------------------------------------------------
 

@@ -15,6 +15,10 @@ SHARDED_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Original parameter -> the DTensor parameter the optimizer steps in its place."""
 ORIGINAL_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """The reverse map."""
+GROUP_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Sharded parameter -> (its ParamGroup, its index there)."""
+FQN_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Sharded parameter -> its name in the unsharded model (from the outermost sharded module)."""
 
 _weights_epoch = 0
 
@@ -27,10 +31,21 @@ def weights_epoch() -> int:
     return _weights_epoch
 
 
-def _after_any_optimizer_step(optimizer, args, kwargs) -> None:
+def mark_weights_changed() -> None:
+    """The main weights were written outside an optimizer step (e.g. a load):
+    model weights are re-cast and re-gathered before next use."""
     global _weights_epoch
+    _weights_epoch += 1
+
+
+def _after_any_optimizer_step(optimizer, args, kwargs) -> None:
     if any(p in ORIGINAL_OF for group in optimizer.param_groups for p in group["params"]):
-        _weights_epoch += 1
+        mark_weights_changed()
+        if not getattr(optimizer, "_flatfsdp_bound", False):
+            # An optimizer built on the sharded parameters (FSDP2 style):
+            # give it name-keyed, reshardable state dicts too.
+            from flatfsdp.optimizer import install_hooks
+            install_hooks(optimizer)
 
 
 register_optimizer_step_post_hook(_after_any_optimizer_step)

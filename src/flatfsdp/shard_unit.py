@@ -13,7 +13,8 @@ from flatfsdp.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.mesh import mesh_device
 from flatfsdp.param_group import ParamGroup, ParamSlot
 from flatfsdp.precision import MixedPrecisionPolicy
-from flatfsdp.registry import ORIGINAL_OF, SHARDED_OF, is_sharded_param
+from flatfsdp.registry import FQN_OF, GROUP_OF, ORIGINAL_OF, SHARDED_OF, is_sharded_param
+from flatfsdp.state_dict import install_state_dict_hooks
 from flatfsdp.strategy import ShardingStrategy
 from flatfsdp.unit_state import UnitState
 
@@ -35,15 +36,31 @@ def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrateg
     for (dtype, requires_grad), members in _group_by_dtype(slots).items():
         groups.append(ParamGroup(members, strategy=strategy, policy=policy, mesh=mesh, device=device))
     for group in groups:
-        for original, sharded in zip(group.params, group.sharded_params):
+        for index, (original, sharded) in enumerate(zip(group.params, group.sharded_params)):
             SHARDED_OF[original] = sharded
             ORIGINAL_OF[sharded] = original
+            GROUP_OF[sharded] = (group, index)
         group.use_sharded_params()
     state = UnitState(module, groups, policy=policy, reshard_after_forward=reshard_after_forward,
                       average_grads=average_grads, sync_each_microbatch=sync_each_microbatch,
                       prefetch_bytes=prefetch_bytes)
     become_fsdp_module(module, state)
+    install_state_dict_hooks(module)
+    _name_params_from(module)
     return state
+
+
+def _name_params_from(module: nn.Module) -> None:
+    """Name every sharded parameter under ``module`` by its path from ``module``;
+    the outermost call (the root) has the last word, so names end up as the
+    unsharded model's."""
+    for path, sub in module.named_modules():
+        state = getattr(sub, "_flatfsdp_state", None)
+        if state is None:
+            continue
+        for group in state.groups:
+            for slot, sharded in zip(group.slots, group.sharded_params):
+                FQN_OF[sharded] = f"{path}.{slot.fqn}" if path else slot.fqn
 
 
 def _owned_slots(module: nn.Module, exclude: frozenset[int]) -> list[ParamSlot]:
@@ -57,10 +74,11 @@ def _owned_slots(module: nn.Module, exclude: frozenset[int]) -> list[ParamSlot]:
             if param in SHARDED_OF:
                 raise _used_outside_its_unit(module, f"{mod_name}.{attr}" if mod_name else attr, param)
             fqn = f"{mod_name}.{attr}" if mod_name else attr
-            entry = found.setdefault(id(param), (fqn, param, []))
+            entry = found.setdefault(id(param), (fqn, param, [], []))
             if not any(m is sub and a == attr for m, a in entry[2]):
                 entry[2].append((sub, attr))
-    return [ParamSlot(fqn, param, tuple(locs)) for fqn, param, locs in found.values()]
+                entry[3].append(fqn)
+    return [ParamSlot(fqn, param, tuple(locs), tuple(keys)) for fqn, param, locs, keys in found.values()]
 
 
 def _group_by_dtype(slots: list[ParamSlot]) -> "OrderedDict[tuple, list[ParamSlot]]":
