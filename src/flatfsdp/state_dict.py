@@ -61,6 +61,7 @@ def install_state_dict_hooks(module: nn.Module) -> None:
 
 def _model_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     state = module._flatfsdp_state
+    state.ensure_initialized()
     if state._swapped_in:
         raise RuntimeError(f"state_dict() of {type(module).__name__} while its parameters are gathered "
                            "(inside forward/backward): take state dicts between steps")

@@ -1,0 +1,121 @@
+"""Putting a finished checkpoint directory in place so that readers only ever see
+a complete one.
+
+Note [atomic checkpoint directories]
+All ranks write into a sibling ``DIR.tmp-<token>``; once every rank is done and
+the manifest is written (last, fsynced), the coordinator publishes it:
+
+* ``DIR`` absent: one ``rename(tmp, DIR)``.
+* ``DIR`` present (the previous checkpoint): on Linux ``renameat2`` with
+  ``RENAME_EXCHANGE`` swaps the two directories in one atomic step, then the
+  old one (now under the tmp name) is deleted. Where that call is missing
+  (other kernels, some network filesystems) we fall back to two renames --
+  ``DIR -> DIR.old-<token>``, ``tmp -> DIR`` -- which leave a short window with
+  no ``DIR``; `recover` closes it on the next save or load by renaming the
+  complete sibling (new one preferred, else the old one) back to ``DIR``.
+
+A crash before the swap leaves ``DIR`` untouched and a tmp directory without a
+manifest, which no reader accepts; the next save removes such leftovers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import glob
+import os
+import secrets
+import shutil
+
+from flatfsdp.checkpoint.manifest import MANIFEST_NAME
+
+_TMP, _OLD = ".tmp-", ".old-"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def normalize(directory) -> str:
+    return os.path.abspath(os.fspath(directory)).rstrip(os.sep) or os.sep
+
+
+def new_token() -> str:
+    return secrets.token_hex(6)
+
+
+def temp_path(directory: str, token: str) -> str:
+    return f"{directory}{_TMP}{token}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths; False where the platform cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def _swap_in(tmp: str, directory: str, token: str) -> str:
+    """Move ``tmp`` onto an existing ``directory``; returns where the old one went."""
+    if _exchange(tmp, directory):
+        return tmp
+    aside = f"{directory}{_OLD}{token}"
+    os.rename(directory, aside)
+    os.rename(tmp, directory)  # a crash before this line is repaired by `recover`
+    return aside
+
+
+def publish(tmp: str, directory: str, token: str) -> None:
+    """Make the finished ``tmp`` (manifest included) the checkpoint at ``directory``."""
+    _fsync_dir(tmp)
+    parent = os.path.dirname(directory)
+    if os.path.exists(directory):
+        old = _swap_in(tmp, directory, token)
+        _fsync_dir(parent)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, directory)
+        _fsync_dir(parent)
+
+
+def _complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
+def recover(directory: str) -> str | None:
+    """If a fallback swap was interrupted (no ``directory``), rename the complete sibling
+    back. Returns the path recovered from, or None when there was nothing to do."""
+    if os.path.exists(directory):
+        return None
+    for pattern in (_TMP, _OLD):  # the new checkpoint first, else the previous one
+        candidates = [p for p in glob.glob(glob.escape(directory) + pattern + "*") if _complete(p)]
+        if candidates:
+            newest = max(candidates, key=lambda p: os.path.getmtime(os.path.join(p, MANIFEST_NAME)))
+            os.rename(newest, directory)
+            _fsync_dir(os.path.dirname(directory))
+            return newest
+    return None
+
+
+def remove_leftovers(directory: str) -> list[str]:
+    """Delete tmp/aside siblings of earlier interrupted saves (call after `recover`)."""
+    removed = []
+    for pattern in (_TMP, _OLD):
+        for path in glob.glob(glob.escape(directory) + pattern + "*"):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
