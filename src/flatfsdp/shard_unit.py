@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flatfsdp.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.mesh import mesh_device
+from flatfsdp.meta_init import materialize_meta
 from flatfsdp.param_group import ParamGroup, ParamSlot
 from flatfsdp.precision import MixedPrecisionPolicy
 from flatfsdp.registry import FQN_OF, GROUP_OF, ORIGINAL_OF, SHARDED_OF, is_sharded_param
@@ -20,18 +21,15 @@ from flatfsdp.unit_state import UnitState
 
 def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
                reshard_after_forward: bool | None = None, average_grads: bool = True, sync_each_microbatch: bool = True,
-               exclude: frozenset[int] = frozenset(), name: str = "", prefetch_bytes: int | None = None
-               ) -> UnitState:
+               exclude: frozenset[int] = frozenset(), name: str = "", prefetch_bytes: int | None = None,
+               meta_init_seed: int | None = None) -> UnitState:
     if isinstance(module, FSDPModule):
         raise ValueError(f"module '{name or type(module).__name__}' ({type(module).__name__}) is already sharded; "
                          "call fully_shard once per module")
     slots = _owned_slots(module, exclude)
-    for slot in slots:
-        if slot.param.device.type == "meta":
-            raise NotImplementedError(
-                f"parameter '{slot.fqn}' is on the meta device: meta-device initialisation is not supported "
-                "yet; build the model on a real device")
     device = mesh_device(mesh)
+    meta_originals: dict = {}
+    pending_init = materialize_meta(module, slots, device, meta_originals)
     groups = []
     for (dtype, requires_grad), members in _group_by_dtype(slots).items():
         groups.append(ParamGroup(members, strategy=strategy, policy=policy, mesh=mesh, device=device))
@@ -39,11 +37,15 @@ def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrateg
         for index, (original, sharded) in enumerate(zip(group.params, group.sharded_params)):
             SHARDED_OF[original] = sharded
             ORIGINAL_OF[sharded] = original
+            if original in meta_originals:
+                SHARDED_OF[meta_originals[original]] = sharded
             GROUP_OF[sharded] = (group, index)
         group.use_sharded_params()
     state = UnitState(module, groups, policy=policy, reshard_after_forward=reshard_after_forward,
                       average_grads=average_grads, sync_each_microbatch=sync_each_microbatch,
                       prefetch_bytes=prefetch_bytes)
+    state.pending_init = pending_init
+    state.init_seed = torch.initial_seed() if meta_init_seed is None else meta_init_seed
     become_fsdp_module(module, state)
     install_state_dict_hooks(module)
     _name_params_from(module)

@@ -41,6 +41,8 @@ class UnitState:
         self.context: RootContext | None = None
         self._swapped_in = False
         self._gathers: list = []
+        self.pending_init: list = []
+        self.init_seed = 0
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, with_kwargs=True)
 
@@ -61,11 +63,18 @@ class UnitState:
         computes with the gathered views once ``wait_unshard`` returns."""
         if self._swapped_in:
             return
+        self.ensure_initialized()
         with record_function("flatfsdp::unshard"):
             self._gathers = [group.unshard(async_op) for group in self.groups]
             for group in self.groups:
                 group.use_unsharded_params()
             self._swapped_in = True
+
+    def ensure_initialized(self) -> None:
+        """Run a meta-device unit's deferred initialisation (see meta_init)."""
+        if self.pending_init:
+            from flatfsdp.meta_init import initialize_pending
+            initialize_pending(self)
 
     def wait_unshard(self) -> None:
         gathers, self._gathers = self._gathers, []

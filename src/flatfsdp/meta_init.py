@@ -1,0 +1,114 @@
+"""Materialise a model built on the meta device unit by unit, each rank keeping
+only its shard.
+
+Values are made by each module's ``reset_parameters()`` under a seed derived
+from (seed, the module's name in the unsharded model). That makes them
+independent of rank, of world size and of the order units are sharded in, and
+``reset_parameters(model, seed)`` gives the very same values to a model built
+normally in one process. Initialisation waits for the first use (forward,
+state_dict, unshard), when the outermost ``fully_shard`` call has named every
+module; until then a unit holds only its (uninitialised) flat buffers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from flatfsdp.registry import FQN_OF, mark_weights_changed
+
+
+def derived_seed(seed: int, module_name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def seeded_reset(module: nn.Module, seed: int, name: str) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derived_seed(seed, name))
+        module.reset_parameters()
+
+
+def reset_parameters(model: nn.Module, seed: int) -> nn.Module:
+    """Re-initialise every module that owns parameters, exactly as flatfsdp's
+    meta-device initialisation does: the unsharded reference for a
+    meta-initialised sharded model."""
+    for name, module in model.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            _require_reset(module, name)
+            seeded_reset(module, seed, name)
+    return model
+
+
+def _require_reset(module: nn.Module, name: str) -> None:
+    if not callable(getattr(module, "reset_parameters", None)):
+        raise ValueError(f"module '{name or '<root>'}' ({type(module).__name__}) has parameters on the meta device "
+                         "but no reset_parameters() to initialise them: give it one, or build it on a real device")
+
+
+def materialize_meta(unit: nn.Module, slots: list, device: torch.device,
+                     replaced: dict) -> list[tuple[str, nn.Module]]:
+    """Give the unit's meta parameters real (uninitialised) storage, keeping
+    ties, and return the modules to initialise later, in module order.
+    ``replaced`` collects new parameter -> the meta one it replaces (an
+    optimizer built on the meta model still names the old objects)."""
+    meta = {id(s.param) for s in slots if s.param.is_meta}
+    if not meta:
+        return []
+    pending = []
+    for name, module in unit.named_modules():
+        if any(id(p) in meta for p in module._parameters.values() if p is not None):
+            _require_reset(module, name)
+            pending.append((name, module))
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.is_meta:
+                    module._buffers[key] = torch.empty_like(buf, device=device)
+    for i, slot in enumerate(slots):
+        if slot.param.is_meta:
+            real = nn.Parameter(torch.empty(slot.param.shape, dtype=slot.param.dtype, device=device),
+                                requires_grad=slot.param.requires_grad)
+            for module, attr in slot.locations:
+                module._parameters[attr] = real
+            replaced[real] = slot.param
+            slots[i] = type(slot)(slot.fqn, real, slot.locations, slot.keys)
+    return pending
+
+
+def initialize_pending(state) -> None:
+    """Run the deferred ``reset_parameters()`` of a unit's modules into a
+    temporary full copy of each group (main dtype), keep this rank's piece."""
+    pending, state.pending_init = state.pending_init, []
+    if not pending:
+        return
+    temps, views = [], []
+    for group in state.groups:
+        temp = torch.empty(group.layout.padded_numel, dtype=group.main.dtype, device=group.main.device)
+        views.append([param.data for param in group.params])  # views of the (maybe freed) model buffer
+        for index, param in enumerate(group.params):
+            param.data = group.full_param(temp, index)
+        group.use_unsharded_params()
+        temps.append(temp)
+    with torch.no_grad():
+        for path, module in pending:
+            seeded_reset(module, state.init_seed, _model_name(state, path))
+        for group, temp, saved in zip(state.groups, temps, views):
+            for index, param in enumerate(group.params):
+                start, end = group.piece_bounds(index)
+                group.main[start:end].copy_(group.own_piece(group.full_param(temp, index), index))
+                param.data = saved[index]
+            group.use_sharded_params()
+    mark_weights_changed()
+
+
+def _model_name(state, path_in_unit: str) -> str:
+    """A module's name in the whole model: the unit's own name (read off any of
+    its parameters' registered names) followed by the module's path in the unit."""
+    for group in state.groups:
+        for slot, sharded in zip(group.slots, group.sharded_params):
+            if sharded in FQN_OF:
+                full = FQN_OF[sharded]
+                prefix = full[:len(full) - len(slot.fqn)]  # "" or "blocks.0."
+                return prefix + path_in_unit if path_in_unit else prefix.rstrip(".")
+    return path_in_unit

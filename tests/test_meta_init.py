@@ -1,0 +1,132 @@
+"""Models built on the meta device: materialised unit by unit, each rank
+keeping its shard, equal to the same model built normally."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+import flatfsdp
+from flatfsdp.models.gpt import GPT, TransformerBlock, lm_loss
+from harness import run_ranks
+from training import CFG, batches, global_mean, local_slice, make_optimizer
+
+BIG = dataclasses.replace(CFG, n_layer=8, d_model=256, vocab_size=256)
+SEED = 7
+
+
+def _values(model):
+    state = model.state_dict()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in state.items()}
+
+
+def _one_call(cfg, strategy="optim_grads_params"):
+    with torch.device("meta"):
+        model = GPT(cfg)
+    opt = make_optimizer("adamw", model.named_parameters())
+    return flatfsdp.fully_shard(model, opt, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy,
+                                init_model_with_meta_device=True, meta_init_seed=SEED)
+
+
+def _per_module(cfg):
+    with torch.device("meta"):
+        model = GPT(cfg)
+    for block in model.blocks:
+        flatfsdp.fully_shard(block, meta_init_seed=SEED)
+    flatfsdp.fully_shard(model, meta_init_seed=SEED)
+    return model, make_optimizer("adamw", model.named_parameters())
+
+
+def _reference(cfg):
+    return flatfsdp.reset_parameters(GPT(cfg), SEED)
+
+
+def meta_worker(rank, world):
+    ref = _values(_reference(CFG))
+    out = {"ref": ref}
+    for name, build in (("one_call", lambda: _one_call(CFG)), ("one_call_zero1", lambda: _one_call(CFG, "optim")),
+                        ("per_module", lambda: _per_module(CFG))):
+        model, _ = build()
+        out[name] = _values(model)
+    # Training from a meta-initialised model follows the reference.
+    model, opt = _one_call(CFG)
+    ref_model = _reference(CFG)
+    ref_opt = make_optimizer("adamw", ref_model.named_parameters())
+    diffs = []
+    for x in batches(5):
+        lx = local_slice(x, rank, world)
+        loss = lm_loss(model(lx[:, :-1]), lx[:, 1:])
+        loss.backward(), opt.step(), opt.zero_grad()
+        ref_loss = lm_loss(ref_model(x[:, :-1]), x[:, 1:])
+        ref_loss.backward(), ref_opt.step(), ref_opt.zero_grad()
+        diffs.append(abs(global_mean(loss) - ref_loss.item()))
+    out["train_diff"] = max(diffs)
+    return out
+
+
+def memory_worker(rank, world):
+    """Peak RSS while a meta model is sharded and initialised, against the
+    whole model's size and what the rank keeps."""
+    full_bytes = sum(p.numel() * 4 for p in GPT(dataclasses.replace(BIG)).parameters())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model, _ = _one_call(BIG)
+    for unit in [m for m in model.modules() if isinstance(m, flatfsdp.FSDPModule)]:
+        unit.unshard()  # runs the deferred initialisation, one unit at a time
+        unit.reshard()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {"peak": peak, "persistent": flatfsdp.persistent_buffer_bytes(model), "full": full_bytes,
+            "unit": sum(p.numel() * 4 for p in GPT(BIG).blocks[0].parameters())}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(meta_worker, 2)
+
+
+@pytest.mark.parametrize("variant", ["one_call", "one_call_zero1", "per_module"])
+def test_meta_initialised_model_equals_the_normally_built_one(results, variant):
+    for out in results:
+        assert out[variant].keys() == out["ref"].keys()
+        for key, value in out["ref"].items():
+            assert torch.equal(out[variant][key], value), (variant, key)
+
+
+def test_meta_initialised_model_trains_like_the_reference(results):
+    assert all(out["train_diff"] < 1e-5 for out in results)
+
+
+def test_no_rank_ever_holds_the_whole_model(monkeypatch):
+    # Fresh rank processes, so the RSS high-water mark is this test's; large
+    # blocks straight from mmap, so freed memory leaves RSS (glibc would
+    # otherwise keep it and the mark would count reuse as growth).
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    for out in run_ranks(memory_worker, 4):
+        # What a rank keeps, plus a few transient copies of one unit -- far
+        # below keeping plus one whole model, which materialising first costs.
+        assert out["peak"] < out["persistent"] + 4 * out["unit"] + 8 * 2**20, out
+        assert out["persistent"] + 4 * out["unit"] < out["persistent"] + out["full"], out
+
+
+def test_module_without_reset_parameters_is_named():
+    message = run_ranks(_no_reset_worker, 1)[0]
+    assert message and "'1'" in message and "_Scale" in message and "reset_parameters" in message
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+
+def _no_reset_worker(rank, world):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _Scale())
+    try:
+        flatfsdp.fully_shard(model)
+    except ValueError as err:
+        return str(err)
+    return None
