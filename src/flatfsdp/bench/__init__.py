@@ -1,0 +1,17 @@
+"""`python -m flatfsdp.bench`: flatfsdp against PyTorch FSDP2, DeepSpeed ZeRO-3
+and the no-communication compute floor, on the same model, seed, batches and
+world size, in alternating runs.
+
+Files, one concept each:
+
+* ``options``   -- the frozen run configuration, presets and the command line;
+* ``workload``  -- the model, its seeded batches, the optimizer every contender uses;
+* ``contenders``/``floor``/``ds``  -- how each contender wraps the model and takes one step;
+* ``comm_bytes`` -- bytes per collective kind seen at the torch.distributed layer;
+* ``memory``    -- peak memory per rank above a baseline;
+* ``theory``    -- minimum bytes communicated and model-state bytes per strategy;
+* ``measure``   -- one contender run on one rank (what the launched ranks execute);
+* ``runner``    -- the alternating schedule, one fresh process group per run;
+* ``report``    -- medians, ratios and loss agreement from the run records;
+* ``tables``/``chart`` -- the markdown tables and chart.png (``__main__`` writes results.json).
+"""

@@ -1,0 +1,111 @@
+"""How each contender wraps the same fp32 GPT and takes one training step.
+
+A contender is set up on every rank after the model is built and returns a
+``Trainer``: ``step(x, y)`` runs forward, backward and the optimizer step and
+returns the (detached) loss. Optional contenders say why they cannot run
+instead of failing the whole benchmark.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatfsdp.bench import ds
+from flatfsdp.bench.floor import FloorTrainer
+from flatfsdp.bench.options import BenchConfig
+from flatfsdp.bench.theory import STRATEGY_STAGE
+from flatfsdp.bench.workload import build_optimizer
+from flatfsdp.models.gpt import TransformerBlock, lm_loss
+
+
+@dataclass
+class Trainer:
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """One optimizer step on this rank's batch; returns the detached loss."""
+    stage: int | None
+    """ZeRO stage whose theory applies (None: no communication at all)."""
+    account: object | None = None
+    """The engine's own byte account (reset() / snapshot()), if it keeps one."""
+
+
+def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer):
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def setup_floor(model: nn.Module, cfg: BenchConfig) -> Trainer:
+    trainer = FloorTrainer(model, lambda params: build_optimizer(params, cfg), cfg.compute_dtype)
+    return Trainer(trainer.step, stage=None)
+
+
+def setup_fsdp2(model: nn.Module, cfg: BenchConfig) -> Trainer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=cfg.reduce_dtype) if cfg.bf16
+              else MixedPrecisionPolicy())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # FSDP2 swaps parameters for DTensors: its optimizer is built after sharding.
+    optimizer = build_optimizer(model.parameters(), cfg)
+    return Trainer(_plain_step(model, optimizer), stage=3)
+
+
+def setup_flatfsdp(model: nn.Module, cfg: BenchConfig) -> Trainer:
+    import flatfsdp
+
+    # Megatron-FSDP style: the optimizer is built on the plain model, then bound.
+    optimizer = build_optimizer(model.parameters(), cfg)
+    policy = (flatfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=cfg.reduce_dtype)
+              if cfg.bf16 else None)
+    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=[TransformerBlock],
+                                            zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy)
+    return Trainer(_plain_step(model, optimizer), stage=STRATEGY_STAGE[cfg.strategy],
+                   account=flatfsdp.comm_account())
+
+
+def setup_deepspeed(model: nn.Module, cfg: BenchConfig) -> Trainer:
+    trainer = ds.DeepSpeedTrainer(model, build_optimizer(model.parameters(), cfg),
+                                  ds.ds_config(cfg.batch, cfg.bf16, cfg.reduce_dtype))
+    return Trainer(trainer.step, stage=3)
+
+
+def _flatfsdp_unavailable() -> str | None:
+    try:
+        import flatfsdp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- the engine is work in progress; say why, do not crash
+        return f"flatfsdp does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    label: str
+    setup: Callable[[nn.Module, BenchConfig], Trainer]
+    unavailable: Callable[[], str | None] = lambda: None
+    preload: Callable[[], None] = lambda: None
+    bytes_source: str = "torch.distributed c10d ops (dispatch-mode counter)"
+
+
+REGISTRY = {c.name: c for c in (
+    Contender("floor", "no-comm floor", setup_floor, bytes_source="none: no communication"),
+    Contender("fsdp2", "FSDP2", setup_fsdp2),
+    Contender("flatfsdp", "flatfsdp", setup_flatfsdp, unavailable=_flatfsdp_unavailable,
+              bytes_source="engine account (flatfsdp.comm_account)"),
+    Contender("deepspeed", "DeepSpeed ZeRO-3", setup_deepspeed, unavailable=ds.unavailable_reason,
+              preload=ds.preload),
+)}

@@ -1,0 +1,106 @@
+"""One contender run on one rank: what every launched rank executes.
+
+Order matters for fairness: imports and batches come before the memory
+baseline; the warm-up's last step is the one whose collectives are counted at
+the torch layer (the counting dispatch mode slows what it watches, so it never
+runs while the clock does); the clock covers only the timed steps, each ended
+by a device synchronisation.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from flatfsdp.bench.comm_bytes import CollectiveBytes
+from flatfsdp.bench.contenders import REGISTRY, Trainer
+from flatfsdp.bench.memory import PeakMemory
+from flatfsdp.bench.options import BenchConfig
+from flatfsdp.bench.workload import build_model, device, make_batches, param_count
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def _warm_up(trainer: Trainer, batches: list, warmup: int) -> tuple[list[float], dict | None]:
+    losses, counted = [], None
+    for i in range(warmup):
+        if i == warmup - 1:
+            with CollectiveBytes() as counter:
+                losses.append(trainer.step(*batches[i]).item())
+            counted = counter.snapshot()
+        else:
+            losses.append(trainer.step(*batches[i]).item())
+    return losses, counted
+
+
+def _timed(trainer: Trainer, batches: list, dev: torch.device) -> tuple[list[float], list[float]]:
+    times, losses = [], []
+    for x, y in batches:
+        start = time.perf_counter()
+        loss = trainer.step(x, y)
+        _sync(dev)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return times, losses
+
+
+def _per_step_engine_bytes(account, steps: int) -> dict | None:
+    if account is None:
+        return None
+    snap = account.snapshot()
+    # Every step moves the same collectives, so the division is exact; a
+    # fraction here would itself be a finding worth seeing.
+    def per_step(n: int) -> int | float:
+        return n // steps if n % steps == 0 else n / steps
+    return {kind: {"count": per_step(v["count"]), "bytes": per_step(v["bytes"])} for kind, v in snap.items()}
+
+
+def run_contender(cfg: BenchConfig, name: str) -> dict:
+    """Train ``cfg.warmup + cfg.steps`` steps under contender ``name``; gather every rank's figures."""
+    # FSDP2 calls collectives torch itself marks deprecated: one warning per call is noise here.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
+    contender = REGISTRY[name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = device()
+    contender.preload()
+    batches = make_batches(cfg, rank, world, dev)
+    gc.collect()
+    dist.barrier()
+    probe = PeakMemory(dev)
+    model = build_model(cfg).to(dev)
+    n_params = param_count(model)
+    trainer = contender.setup(model, cfg)
+    del model  # the trainer holds what it needs
+    warm_losses, torch_bytes = _warm_up(trainer, batches, cfg.warmup)
+    if trainer.account is not None:
+        trainer.account.reset()
+    dist.barrier()
+    times, losses = _timed(trainer, batches[cfg.warmup:], dev)
+    engine_bytes = _per_step_engine_bytes(trainer.account, cfg.steps)
+    peak = probe.peak_bytes()
+    return _gather(dict(
+        contender=name, n_params=n_params, world=world, stage=trainer.stage, device=str(dev),
+        memory_method=probe.method, torch_bytes=torch_bytes, engine_bytes=engine_bytes,
+    ), times, warm_losses + losses, peak, dev)
+
+
+def _gather(record: dict, times: list[float], losses: list[float], peak: int, dev: torch.device) -> dict:
+    """Combine ranks after the clock stopped: a step lasts as long as its slowest
+    rank; a loss is the mean over ranks (the global batch's loss); memory is kept per rank."""
+    world = dist.get_world_size()
+    t = torch.tensor(times, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    loss = torch.tensor(losses, dtype=torch.float64, device=dev)
+    dist.all_reduce(loss)
+    peaks = torch.zeros(world, dtype=torch.float64, device=dev)
+    peaks[dist.get_rank()] = peak
+    dist.all_reduce(peaks)
+    record.update(step_times=t.tolist(), losses=(loss / world).tolist(), peak_bytes=[int(p) for p in peaks.tolist()])
+    return record

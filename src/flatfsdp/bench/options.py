@@ -1,0 +1,134 @@
+"""The benchmark's configuration: one frozen record built from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+import torch
+
+CONTENDERS = ("floor", "fsdp2", "flatfsdp", "deepspeed")
+"""Every contender the bench knows, in report order."""
+
+PRESETS = {"small-batch": dict(batch=1, seq_len=64), "large-batch": dict(batch=4, seq_len=256)}
+"""Micro batch per rank x tokens per sequence. small-batch is communication-bound
+on CPU + gloo (little compute per byte gathered), large-batch compute-bound."""
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    layers: int = 12
+    """Transformer blocks (each one FSDP unit)."""
+    d_model: int = 384
+    """Residual width. With 12 layers, 6 heads, vocab 32000 and a 256-position
+    table the GPT has 33,680,640 parameters (the 33.7M of DESIGN.md)."""
+    heads: int = 6
+    """Attention heads per block."""
+    vocab: int = 32000
+    """Token ids; the output projection is tied to the embedding."""
+    context: int = 256
+    """Rows of the position table, fixed so both presets train the same model."""
+    seq_len: int = 256
+    """Tokens per sequence fed to the model (at most ``context``)."""
+    batch: int = 4
+    """Sequences per rank per step (the micro batch)."""
+    steps: int = 5
+    """Timed steps per run."""
+    warmup: int = 2
+    """Untimed steps per run before the timed ones (lazy init, allocator warm-up)."""
+    repeats: int = 2
+    """Rounds of the alternating schedule (each round runs every contender once)."""
+    nprocs: int = 2
+    """Ranks to launch locally (ignored under torchrun)."""
+    threads_per_rank: int = 1
+    """Intra-op threads per rank (torch.set_num_threads)."""
+    bf16: bool = False
+    """Compute in bf16 with fp32 main weights and optimizer state."""
+    grad_reduce_dtype: str = "fp32"
+    """Dtype gradients are reduced in under --bf16 ("fp32" or "bf16")."""
+    strategy: str = "optim_grads_params"
+    """flatfsdp's zero_dp_strategy."""
+    contenders: tuple[str, ...] = CONTENDERS
+    """Contenders to run, in this order within each round."""
+    lr: float = 1e-3
+    """AdamW learning rate (weight decay 0.01, foreach), the same for all."""
+    seed: int = 0
+    """Seeds the model's init and the batches."""
+    loss_tol: float | None = None
+    """Largest |loss - reference| still counted as agreement; None: by precision."""
+    preset: str | None = None
+    """The preset the batch shape came from, for the report."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return _DTYPES[self.grad_reduce_dtype] if self.bf16 else torch.float32
+
+    @property
+    def tolerance(self) -> float:
+        # Reduction order differs between engines; bf16 rounding amplifies it.
+        if self.loss_tol is not None:
+            return self.loss_tol
+        return 5e-2 if self.bf16 else 2e-3
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="python -m flatfsdp.bench",
+                                          description="flatfsdp against FSDP2, DeepSpeed and the compute floor")
+    d = BenchConfig()
+    p.add_argument("--preset", choices=sorted(PRESETS), help="batch x tokens: small-batch 1x64, large-batch 4x256"
+                   " (default large-batch; --batch / --seq-len override it)")
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--d-model", type=int, default=d.d_model)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--context", type=int, default=None, help="position-table rows (default max(256, seq-len))")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="micro batch per rank")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per run")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="alternating rounds")
+    p.add_argument("--nprocs", type=int, default=d.nprocs, help="local ranks (ignored under torchrun)")
+    p.add_argument("--threads-per-rank", type=int, default=d.threads_per_rank)
+    p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
+    p.add_argument("--grad-reduce-dtype", choices=sorted(_DTYPES), default=d.grad_reduce_dtype)
+    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help="flatfsdp's zero_dp_strategy")
+    p.add_argument("--contenders", default=",".join(d.contenders), help=f"comma list from {','.join(CONTENDERS)}")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--loss-tol", type=float, default=None, help="loss agreement tolerance (default 2e-3 fp32, 5e-2 bf16)")
+    p.add_argument("--out", default=None, help="directory for results.json and chart.png")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    preset = args.preset or ("large-batch" if args.batch is None and args.seq_len is None else None)
+    shape = dict(PRESETS[preset]) if preset else dict(batch=BenchConfig.batch, seq_len=BenchConfig.seq_len)
+    if args.batch is not None:
+        shape["batch"] = args.batch
+    if args.seq_len is not None:
+        shape["seq_len"] = args.seq_len
+    names = tuple(n.strip() for n in args.contenders.split(",") if n.strip())
+    unknown = sorted(set(names) - set(CONTENDERS))
+    if unknown or not names:
+        raise SystemExit(f"unknown contender(s) {unknown}: choose from {', '.join(CONTENDERS)}")
+    if min(args.steps, args.repeats, args.nprocs, args.threads_per_rank) < 1 or args.warmup < 0:
+        raise SystemExit("--steps, --repeats, --nprocs and --threads-per-rank must be >= 1, --warmup >= 0")
+    context = args.context or max(256, shape["seq_len"])
+    if shape["seq_len"] > context:
+        raise SystemExit(f"--seq-len {shape['seq_len']} exceeds --context {context}")
+    return BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
+                       context=context, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                       nprocs=args.nprocs, threads_per_rank=args.threads_per_rank, bf16=args.bf16,
+                       grad_reduce_dtype=args.grad_reduce_dtype, strategy=args.strategy, contenders=names,
+                       lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
+                       preset=preset if args.batch is None and args.seq_len is None else None, **shape)

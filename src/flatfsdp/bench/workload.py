@@ -1,0 +1,54 @@
+"""What every contender trains: the same GPT from the same seed, the same
+batches, the same optimizer. Only the parallel wrapper differs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatfsdp.bench.options import BenchConfig
+from flatfsdp.models.gpt import GPT, GPTConfig
+
+
+def device() -> torch.device:
+    """This rank's device: the accelerator's current one, else the CPU (never names CUDA)."""
+    if torch.accelerator.is_available():
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
+def gpt_config(cfg: BenchConfig) -> GPTConfig:
+    return GPTConfig(vocab_size=cfg.vocab, seq_len=cfg.context, n_layer=cfg.layers, n_head=cfg.heads,
+                     d_model=cfg.d_model)
+
+
+def build_model(cfg: BenchConfig) -> GPT:
+    """The fp32 GPT, identical on every rank and for every contender (seeded init, on the CPU)."""
+    torch.manual_seed(cfg.seed)
+    return GPT(gpt_config(cfg))
+
+
+def param_count(model: nn.Module) -> int:
+    """Unique parameters (the tied embedding counted once), the basis of every theory figure."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_optimizer(params, cfg: BenchConfig) -> torch.optim.Optimizer:
+    """AdamW for everyone; foreach so no contender pays a per-tensor Python loop."""
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, foreach=True)
+
+
+def make_batches(cfg: BenchConfig, rank: int, world: int, dev: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (inputs, targets) for every step, drawn before timing starts.
+
+    Each step draws one global batch of ``batch * world`` sequences from a
+    generator seeded by (seed, step) and each rank keeps its own rows, so every
+    contender sees the same data whatever the order of runs.
+    """
+    out = []
+    for step in range(cfg.warmup + cfg.steps):
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        tokens = torch.randint(0, cfg.vocab, (cfg.batch * world, cfg.seq_len + 1), generator=gen)
+        mine = tokens[rank * cfg.batch:(rank + 1) * cfg.batch].to(dev)
+        out.append((mine[:, :-1].contiguous(), mine[:, 1:].contiguous()))
+    return out

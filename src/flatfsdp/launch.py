@@ -1,0 +1,186 @@
+"""Run a function on N local ranks, or on the ranks torchrun already started.
+
+``launch(fn, nprocs, *args)`` is what the training and benchmark commands call:
+
+* under ``torchrun`` (RANK and WORLD_SIZE set) this process already *is* a rank:
+  initialise the default process group if nobody has, call ``fn(*args)``, and
+  return its value (every rank gets its own);
+* otherwise spawn ``nprocs`` fresh processes on this host, give each the
+  torchrun-style environment, initialise the group (gloo on CPU; the
+  accelerator's backend, one device per local rank, when there is one), run
+  ``fn(*args)`` on each, and return rank 0's value in the parent.
+
+A rank that raises fails the whole launch with that rank's traceback, and the
+other ranks are killed rather than left blocked in a collective forever.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_POLL_S = 0.2
+"""How often the parent checks on its ranks while waiting for their reports."""
+_GRACE_S = 5.0
+"""How long a failed launch waits for the other ranks to die after SIGTERM before SIGKILL."""
+
+
+class RankFailed(RuntimeError):
+    """A launched rank raised (the message carries its traceback) or died."""
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
+           threads_per_rank: int = 1, timeout_s: float | None = None) -> Any:
+    """Run ``fn(*args)`` on every rank; return rank 0's result (this rank's under torchrun).
+
+    ``fn`` must be importable by name (a module-level function) so spawned ranks
+    can unpickle it. ``timeout_s`` bounds the whole spawned run (None: no bound).
+    """
+    if under_torchrun():
+        _init_group(backend, int(os.environ.get("LOCAL_RANK", 0)))
+        return fn(*args)
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    return _spawn(fn, nprocs, args, backend, threads_per_rank, timeout_s)
+
+
+def _init_group(backend: str | None, local_rank: int) -> None:
+    """Initialise the default group from the environment, once per process."""
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if backend == "gloo" or not torch.accelerator.is_available():
+        dist.init_process_group(backend)
+        return
+    # One device per local rank; naming it binds the group to it up front
+    # instead of leaving the backend to guess the rank-to-device mapping.
+    torch.accelerator.set_device_index(local_rank)
+    device = torch.device(torch.accelerator.current_accelerator().type, local_rank)
+    dist.init_process_group(backend, device_id=device)
+
+
+def default_backend() -> str:
+    """gloo on CPU; the accelerator's own backend (nccl on CUDA, ...) when there is one."""
+    if torch.accelerator.is_available():
+        return dist.get_default_backend_for_device(torch.accelerator.current_accelerator())
+    return "gloo"
+
+
+def _free_port() -> int:
+    # The port is released before the ranks bind it; another process could take
+    # it in between, which only ever shows as a clear rendezvous error.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank: int, world: int, port: int, backend: str | None, threads: int,
+               reports, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(threads)
+    try:
+        _init_group(backend, rank)
+        result = fn(*args)
+        # Plain pickle turns tensors into bytes: torch's queue pickler would send
+        # shared-memory handles that die with this process.
+        reports.put((rank, True, pickle.dumps(result if rank == 0 else None)))
+    except BaseException:  # noqa: BLE001 -- every failure, assertions included, goes to the parent
+        reports.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, timeout_s: float | None) -> Any:
+    ctx = mp.get_context("spawn")
+    reports = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, nprocs, port, backend, threads, reports, args),
+                         daemon=True, name=f"flatfsdp-rank{r}") for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    ok = False
+    try:
+        payload = _collect(procs, reports, timeout_s)
+        ok = True
+    finally:
+        _stop(procs, graceful=ok)
+    return pickle.loads(payload)  # produced by our own child a moment ago
+
+
+def _collect(procs: list, reports, timeout_s: float | None) -> bytes:
+    """Wait for every rank's report; fail fast on the first error or silent death."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending, payload = set(range(len(procs))), b""
+    while pending:
+        try:
+            rank, ok, data = reports.get(timeout=_POLL_S)
+        except queue_module.Empty:
+            _check_alive(procs, pending)
+            if deadline is not None and time.monotonic() > deadline:
+                raise RankFailed(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
+            continue
+        if not ok:
+            raise RankFailed(_failure_report(procs, reports, {rank: data}))
+        pending.discard(rank)
+        if rank == 0:
+            payload = data
+    return payload
+
+
+def _check_alive(procs: list, pending: set) -> None:
+    for rank in sorted(pending):
+        code = procs[rank].exitcode
+        # A clean exit (0) flushed its report into the queue first; the next get
+        # reads it. Anything else exited without one: killed (OOM, a signal) or
+        # crashed below Python.
+        if code not in (None, 0):
+            raise RankFailed(_failure_report(procs, reports, {}))
+
+
+def _failure_report(procs: list, reports, errors: dict) -> str:
+    """Every rank's failure, not just the first to arrive: when one rank dies the
+    others fail a moment later with connection errors, and the first report in
+    the queue is often such a symptom rather than the cause."""
+    time.sleep(_POLL_S * 5)
+    while True:
+        try:
+            rank, ok, data = reports.get(timeout=_POLL_S)
+        except queue_module.Empty:
+            break
+        if not ok:
+            errors.setdefault(rank, data)
+    for rank, p in enumerate(procs):
+        if rank not in errors and p.exitcode not in (None, 0):
+            errors[rank] = f"died with exit code {p.exitcode} before reporting\n"
+    parts = [f"--- rank {rank} ---\n{text}" for rank, text in sorted(errors.items())]
+    return f"{len(errors)} of {len(procs)} ranks failed:\n" + "".join(parts)
+
+
+def _stop(procs: list, graceful: bool) -> None:
+    if graceful:
+        for p in procs:
+            p.join(timeout=_GRACE_S * 6)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
