@@ -1,8 +1,10 @@
 """A small decoder-only transformer (GPT-2 shape) used by the training command,
 the benchmark and the tests.
 
-Every module with parameters has ``reset_parameters`` so the model can be built
-on the meta device and materialised unit by unit.
+Every module with parameters initialises itself in ``reset_parameters`` (GPT-2
+style: small normal weights, residual projections scaled by depth), so a model
+built on the meta device and materialised unit by unit gets the same init
+recipe as one built normally -- there is no whole-model init pass to miss.
 """
 
 from __future__ import annotations
@@ -35,14 +37,43 @@ class GPTConfig:
     (torch.utils.checkpoint), trading compute for activation memory."""
 
 
+INIT_STD = 0.02
+"""GPT-2's weight init standard deviation."""
+
+
+class GPTLinear(nn.Linear):
+    """A Linear initialised N(0, std^2) with a zero bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = INIT_STD):
+        object.__setattr__(self, "std", std)  # nn.Linear.__init__ calls reset_parameters
+        super().__init__(in_features, out_features, bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class GPTEmbedding(nn.Embedding):
+    """An Embedding initialised N(0, INIT_STD^2)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=INIT_STD)
+
+
+def _residual_std(config: "GPTConfig") -> float:
+    """Projections into the residual stream shrink with depth (GPT-2)."""
+    return INIT_STD / math.sqrt(2 * config.n_layer)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         if config.d_model % config.n_head:
             raise ValueError(f"d_model={config.d_model} is not divisible by n_head={config.n_head}")
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.qkv = GPTLinear(config.d_model, 3 * config.d_model)
+        self.proj = GPTLinear(config.d_model, config.d_model, std=_residual_std(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
@@ -56,8 +87,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(config.d_model, 4 * config.d_model)
-        self.proj = nn.Linear(4 * config.d_model, config.d_model)
+        self.fc = GPTLinear(config.d_model, 4 * config.d_model)
+        self.proj = GPTLinear(4 * config.d_model, config.d_model, std=_residual_std(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -82,27 +113,13 @@ class GPT(nn.Module):
         if config.recompute not in ("none", "reentrant", "non_reentrant"):
             raise ValueError(f"recompute must be none, reentrant or non_reentrant, got {config.recompute!r}")
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.tok_emb = GPTEmbedding(config.vocab_size, config.d_model)
+        self.pos_emb = GPTEmbedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = GPTLinear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.init_weights()
-
-    def init_weights(self) -> None:
-        """GPT-2 style init: small normal weights, residual projections scaled by depth."""
-        std = 0.02
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") else 1.0
-                if module.weight.device.type != "meta":
-                    nn.init.normal_(module.weight, std=std * scale)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding) and module.weight.device.type != "meta":
-                nn.init.normal_(module.weight, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
