@@ -4,6 +4,7 @@ zero-size local shards at 4 ranks."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -15,6 +16,9 @@ from harness import run_ranks
 from training import batches, local_slice, shard_gpt
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+ALGORITHMS = ["exchange", "all_reduce", "native"]
+"""gloo: pairwise send/recv exchanges (the default), gradients all-reduced
+with each rank keeping its slice, gloo's own collectives."""
 
 
 def _theory_bytes(strategy: str, numel: int, world: int, bf16: bool) -> float:
@@ -35,23 +39,22 @@ def _theory_bytes(strategy: str, numel: int, world: int, bf16: bool) -> float:
 def accounting_worker(rank, world):
     out = {}
     x = local_slice(batches(1)[0], rank, world)
-    for bf16, native in ((False, False), (True, False), (False, True), (True, True)):
-        # native: gloo's own reduce-scatter instead of all-reduce + slice.
-        os.environ["FLATFSDP_GLOO_REDUCE_SCATTER"] = "native" if native else "all_reduce"
-        for strategy in STRATEGIES:
-            model, opt = shard_gpt(strategy, bf16=bf16)
-            numel = sum(p.numel() for p in model.parameters())
-            # Root and block parameter counts, for the communication theory.
-            root_numel = sum(p.numel() for g in model._flatfsdp_state.groups for p in g.params)
-            last_numel = sum(p.numel() for p in model.blocks[-1].parameters())
-            for _ in range(2):  # the second step is the steady state
-                flatfsdp.comm_account().reset()
-                lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
-                opt.step()
-                opt.zero_grad()
-            comm = flatfsdp.comm_account().snapshot()
-            out[(strategy, bf16, native)] = (flatfsdp.persistent_buffer_bytes(model), numel,
-                                             root_numel + last_numel, comm)
+    for bf16, algorithm, strategy in itertools.product((False, True), ALGORITHMS, STRATEGIES):
+        os.environ["FLATFSDP_GLOO_ALGORITHM"] = algorithm
+        model, opt = shard_gpt(strategy, bf16=bf16)
+        numel = sum(p.numel() for p in model.parameters())
+        # Root and block parameter counts, for the communication theory.
+        root_numel = sum(p.numel() for g in model._flatfsdp_state.groups for p in g.params)
+        last_numel = sum(p.numel() for p in model.blocks[-1].parameters())
+        for _ in range(2):  # the second step is the steady state
+            flatfsdp.comm_account().reset()
+            lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        comm = flatfsdp.comm_account().snapshot()
+        out[(strategy, bf16, algorithm)] = (flatfsdp.persistent_buffer_bytes(model), numel,
+                                            root_numel + last_numel, comm)
+    os.environ.pop("FLATFSDP_GLOO_ALGORITHM")
     empty = 0
     model, _ = shard_gpt("optim_grads_params")
     for p in model.parameters():
@@ -70,21 +73,21 @@ def results(request):
 def test_persistent_bytes_equal_theoretical_share(results, strategy, bf16):
     world, per_rank = results
     for out in per_rank:
-        held, numel, _, _ = out[(strategy, bf16, False)]
+        held, numel, _, _ = out[(strategy, bf16, "exchange")]
         assert held == _theory_bytes(strategy, numel, world, bf16), (strategy, bf16, held)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["gloo-all-reduce", "native-reduce-scatter"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_bytes_communicated_per_step_are_the_strategy_minimum(results, strategy, bf16, native):
+def test_bytes_communicated_per_step_are_the_strategy_minimum(results, strategy, bf16, algorithm):
     world, per_rank = results
-    _, numel, kept_numel, comm = per_rank[0][(strategy, bf16, native)]
+    _, numel, kept_numel, comm = per_rank[0][(strategy, bf16, algorithm)]
     weight_bytes = 2 if bf16 else 4
     grad_bytes = 4  # fp32 reduction in both recipes
-    # On gloo the gradient reduce-scatter runs as an all-reduce of the same
-    # buffer (Note [gloo reduce-scatter]); the buffer bytes are the same.
-    reduce = "reduce_scatter" if native else "all_reduce"
+    # With FLATFSDP_GLOO_ALGORITHM=all_reduce the gradient reduce-scatter runs
+    # as an all-reduce of the same buffer; the buffer bytes are the same.
+    reduce = "all_reduce" if algorithm == "all_reduce" else "reduce_scatter"
     if strategy == "no_shard":
         expected = {"all_reduce": numel * grad_bytes}
     elif strategy == "optim_grads_params":

@@ -2,7 +2,8 @@
 
 Every function takes the tensors it reads and writes and returns a small
 ``Pending`` record; callers wait on it where the result is first needed, which
-is how overlap is expressed on both CUDA streams and CPU (gloo work handles).
+is how overlap is expressed on both accelerators (a side stream and an event)
+and CPU (gloo work handles).
 """
 
 from __future__ import annotations
@@ -16,19 +17,24 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from flatfsdp.comm_account import comm_account
+from flatfsdp.device import SideStream, wait_event
+from flatfsdp.exchange import exchange_all_gather, exchange_reduce_scatter
 
 
 @dataclass
 class Pending:
     """A collective in flight, plus the work to do once it lands."""
 
-    work: "dist.Work | None" = None
+    works: list = field(default_factory=list)
     then: list[Callable[[], None]] = field(default_factory=list)
+    event: "torch.Event | None" = None
 
     def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+        event, self.event = self.event, None
+        wait_event(event)
         callbacks, self.then = self.then, []
         for callback in callbacks:
             callback()
@@ -38,51 +44,76 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _run(kind: str, nbytes: int, stream: SideStream | None, async_op: bool,
+         issue: Callable[[bool], list]) -> Pending:
+    """Count, label and launch one collective; ``issue(async_op)`` enqueues it
+    and returns its work handles. On a side stream the launch is synchronous
+    *to that stream* (the host does not block) and an event marks its end."""
+    comm_account().add(kind, nbytes)
+    with record_function(f"flatfsdp::{kind}"):
+        if stream is None or stream.stream is None:
+            return Pending([w for w in issue(async_op) if w is not None])
+        _, event = stream.launch(lambda: issue(False))
+        return Pending(event=event)
+
+
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = False) -> Pending:
+               async_op: bool = False, stream: SideStream | None = None) -> Pending:
     """Gather equal shards into ``output`` (which parameters view). ``shard`` may
     be ``output``'s own slice: in-place gathers need no staging copy."""
-    comm_account().add("all_gather", _nbytes(output))
-    with record_function("flatfsdp::all_gather"):
-        work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
-    return Pending(work)
+    if _gloo_algorithm(group) == "exchange":
+        return _run("all_gather", _nbytes(output), None, async_op,
+                    lambda _: exchange_all_gather(output, shard, group))
+    return _run("all_gather", _nbytes(output), stream, async_op,
+                lambda a: [dist.all_gather_single(output, shard, group=group, async_op=a)])
 
 
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
-                   async_op: bool = False) -> Pending:
+                   async_op: bool = False, stream: SideStream | None = None) -> Pending:
     """Sum ``flat`` over the group; this rank's equal slice lands in ``output``.
     ``flat`` may be overwritten (it is a transient gradient buffer)."""
-    if _reduce_scatter_by_all_reduce(group):
-        # See Note [gloo reduce-scatter].
+    algorithm = _gloo_algorithm(group)
+    if algorithm == "exchange":
+        finish: list[Callable[[], None]] = []
+
+        def issue(_: bool) -> list:
+            works, done = exchange_reduce_scatter(output, flat, group)
+            finish.append(done)
+            return works
+        pending = _run("reduce_scatter", _nbytes(flat), None, async_op, issue)
+        pending.then.extend(finish)
+        return pending
+    if algorithm == "all_reduce":
         pending = all_reduce(flat, group, async_op)
         shard = flat.numel() // group.size()
         mine = flat[group.rank() * shard:(group.rank() + 1) * shard]
         if mine.data_ptr() != output.data_ptr():
             pending.then.append(lambda: output.copy_(mine))
         return pending
-    comm_account().add("reduce_scatter", _nbytes(flat))
-    with record_function("flatfsdp::reduce_scatter"):
-        work = dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group,
-                                          async_op=async_op)
-    return Pending(work)
+    return _run("reduce_scatter", _nbytes(flat), stream, async_op,
+                lambda a: [dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group,
+                                                      async_op=a)])
 
 
-# Note [gloo reduce-scatter]
-# gloo's reduce-scatter of a buffer takes about 1.7x as long as its all-reduce
-# of the same buffer (measured here: 128 MB, 2 ranks: 244 ms against 141 ms),
-# so on gloo gradients are all-reduced in place and each rank keeps its slice.
-# The account records what ran (an all-reduce). NCCL's reduce-scatter is the
-# cheaper one there and is used as is. FLATFSDP_GLOO_REDUCE_SCATTER=native
-# restores the plain reduce-scatter on gloo.
-def _reduce_scatter_by_all_reduce(group: dist.ProcessGroup) -> bool:
-    if os.environ.get("FLATFSDP_GLOO_REDUCE_SCATTER", "all_reduce") == "native":
-        return False
-    return dist.get_backend(group) == "gloo"
+def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
+               stream: SideStream | None = None) -> Pending:
+    """Sum ``flat`` over the group, in place. Kept as gloo's own all-reduce even
+    where gathers are exchanges: replicas must end bitwise equal, which one
+    collective guarantees and per-rank sums in different orders would not."""
+    return _run("all_reduce", _nbytes(flat), stream, async_op,
+                lambda a: [dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=a)])
 
 
-def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
-    """Sum ``flat`` over the group, in place."""
-    comm_account().add("all_reduce", _nbytes(flat))
-    with record_function("flatfsdp::all_reduce"):
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return Pending(work)
+GLOO_ALGORITHMS = ("exchange", "native", "all_reduce")
+
+
+def _gloo_algorithm(group: dist.ProcessGroup) -> str:
+    """How gathers and reduce-scatters run: "native" everywhere but gloo; on
+    gloo FLATFSDP_GLOO_ALGORITHM (default "exchange", Note [gloo exchange] in
+    exchange.py; "all_reduce" all-reduces gradients and keeps the local slice)."""
+    if dist.get_backend(group) != "gloo":
+        return "native"
+    choice = os.environ.get("FLATFSDP_GLOO_ALGORITHM", "exchange")
+    if choice not in GLOO_ALGORITHMS:
+        raise ValueError(f"FLATFSDP_GLOO_ALGORITHM={choice!r}: expected one of {', '.join(GLOO_ALGORITHMS)}")
+    return choice

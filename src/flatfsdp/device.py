@@ -6,8 +6,12 @@ code path, and device specifics stay here.
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def default_device_type() -> str:
@@ -17,3 +21,51 @@ def default_device_type() -> str:
     if torch.accelerator.is_available():
         return torch.accelerator.current_accelerator().type
     return "cpu"
+
+
+class SideStream:
+    """Where one kind of collective runs so it overlaps compute.
+
+    On an accelerator: a dedicated stream. Work launched there first waits for
+    everything already queued on the compute stream (the buffers it reads were
+    just written, and the memory it writes may have been freed by compute just
+    before), and records an event the compute stream waits on before it reads
+    the result. No ``record_stream``: every buffer such work touches is kept
+    alive by the engine until the compute stream has waited on that event, so
+    the allocator, ordered on the compute stream, never hands its memory out
+    early. On CPU there is no stream: collectives run asynchronously on the
+    backend's own threads and are waited on through their work handles.
+    """
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.Stream(device) if device.type != "cpu" else None
+
+    def launch(self, issue: Callable[[], T]) -> tuple[T, "torch.Event | None"]:
+        """Run ``issue`` (which enqueues work) on this stream; return its result
+        and the event marking the work's end (None on CPU)."""
+        if self.stream is None:
+            return issue(), None
+        self.stream.wait_stream(torch.accelerator.current_stream())
+        with self.stream:
+            result = issue()
+        event = torch.Event()
+        event.record(self.stream)
+        return result, event
+
+
+def wait_event(event: "torch.Event | None") -> None:
+    """Make the compute stream wait for side-stream work (no host block)."""
+    if event is not None:
+        torch.accelerator.current_stream().wait_event(event)
+
+
+_SIDE_STREAMS: dict[tuple[str, str], SideStream] = {}
+
+
+def side_stream(kind: str, device: torch.device) -> SideStream:
+    """The process's stream for ``kind`` ("gather" or "reduce") on ``device``;
+    two kinds so a gradient reduction never queues behind a prefetch."""
+    key = (kind, str(device))
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = SideStream(device)
+    return _SIDE_STREAMS[key]

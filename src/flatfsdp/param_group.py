@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatfsdp import collectives
 from flatfsdp.buffer import FlatBuffer
-from flatfsdp.collectives import Pending
+from flatfsdp.coalesce import GatherRequest, ReduceRequest
 from flatfsdp.layout import build_layout
 from flatfsdp.precision import MixedPrecisionPolicy
 from flatfsdp.registry import weights_epoch
@@ -69,7 +69,7 @@ class ParamGroup:
         self.reduce_dtype = policy.grad_reduce_dtype(original)
         self._unsharded = False
         self._accum: FlatBuffer | None = None
-        self._inflight: Pending | None = None
+        self._inflight: ReduceRequest | None = None
         self._used = [False] * len(self.params)
         self._allocate(device)
         self._fill_from_params()
@@ -173,24 +173,23 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self._unsharded
 
-    def unshard(self, async_op: bool = False) -> Pending:
-        """Make the model-weight buffer hold the current full weights."""
+    def gather_request(self) -> GatherRequest | None:
+        """Mark the group gathered and say what to all-gather for it (None:
+        nothing to communicate -- already gathered, or the kept replica is current)."""
         if self._unsharded:
-            return Pending()
+            return None
         self._unsharded = True
         if self.strategy.shards_model_weights:
             self._refresh_model_local()
             self.model_full.alloc()
-            return collectives.all_gather(self.model_full.data, self.model_local, self.pg, async_op)
+            return GatherRequest(self.model_full.data, self.model_local, self.pg)
         if self._main_version == self._weights_version():
-            return Pending()
+            return None
         self._refresh_model_local()
         if not self.strategy.shards_main_weights:
             self._main_version = self._weights_version()
-            return Pending()
-        pending = collectives.all_gather(self.model_full.data, self.model_local, self.pg, async_op)
-        pending.then.append(self._record_main_version)
-        return pending
+            return None
+        return GatherRequest(self.model_full.data, self.model_local, self.pg, then=[self._record_main_version])
 
     def _refresh_model_local(self) -> None:
         """After an optimizer step, cast the updated main weights into the model
@@ -280,25 +279,25 @@ class ParamGroup:
     def has_unreduced_grads(self) -> bool:
         return self._accum is not None
 
-    def reduce_grads(self, average: bool, async_op: bool = False) -> Pending:
-        """Reduce the accumulated local gradients into the main grads (summing
-        into what the optimizer has not consumed yet, as autograd would)."""
+    def reduction_request(self, average: bool) -> ReduceRequest | None:
+        """Hand over the accumulated local gradients for reduction into the main
+        grads (summing into what the optimizer has not consumed yet, as autograd
+        would). The request is issued by the caller, perhaps coalesced."""
         if self._accum is None:
-            return Pending()
+            return None
         accum, has_data = self._accum, self._main_grad_has_data()
         self._accum = None
         scale = 1.0 / self.world if average else 1.0
         if not self.strategy.shards_main_weights:
-            pending = collectives.all_reduce(accum.data, self.pg, async_op)
-            result = accum.data
+            request = ReduceRequest("all_reduce", accum.data, accum.data, self.pg)
         else:
             direct = not has_data and self.main_grad.dtype == self.reduce_dtype
             result = self.main_grad if direct else torch.empty(
                 self.layout.shard_numel, dtype=self.reduce_dtype, device=self.main_grad.device)
-            pending = collectives.reduce_scatter(result, accum.data, self.pg, async_op)
-        pending.then.append(lambda: self._finish_reduction(accum, result, has_data, scale))
-        self._inflight = pending
-        return pending
+            request = ReduceRequest("reduce_scatter", accum.data, result, self.pg)
+        request.then.append(lambda: self._finish_reduction(accum, request.output, has_data, scale))
+        self._inflight = request
+        return request
 
     def wait_reduction(self) -> None:
         if self._inflight is not None:

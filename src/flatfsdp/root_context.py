@@ -8,13 +8,15 @@ lazily on that first forward, when the whole tree is known.
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from typing import TYPE_CHECKING
 
+import torch
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from flatfsdp.collectives import Pending
+from flatfsdp.coalesce import ReduceRequest
+from flatfsdp.device import SideStream, side_stream
+from flatfsdp.reduction_queue import ReductionQueue
 from flatfsdp.training_state import TrainingState
 
 if TYPE_CHECKING:
@@ -35,7 +37,11 @@ class RootContext:
         self.training_forward = False
         self.sync_each_microbatch = root.sync_each_microbatch
         self.prefetch_bytes = root.prefetch_bytes
-        self._pending: deque[Pending] = deque()
+        self.bucket_bytes = root.bucket_bytes
+        device = _device_of(states)
+        self.gather_stream: SideStream = side_stream("gather", device)
+        self.reductions = ReductionQueue(bucket_bytes=root.bucket_bytes, max_in_flight=MAX_REDUCTIONS_IN_FLIGHT,
+                                         stream=side_stream("reduce", device))
         # Units in the order their forwards ran: this step's (for backward
         # prefetch) and the last complete step's (for forward prefetch).
         self._order: list["UnitState"] = []
@@ -44,15 +50,11 @@ class RootContext:
 
     # ---- reductions in flight ----------------------------------------------------------
 
-    def track(self, pending: Pending) -> None:
-        self._pending.append(pending)
-        while len(self._pending) > MAX_REDUCTIONS_IN_FLIGHT:
-            self._pending.popleft().wait()
+    def submit_reduction(self, request: ReduceRequest) -> None:
+        self.reductions.submit(request)
 
     def wait_reductions(self) -> None:
-        with record_function("flatfsdp::wait_reductions"):
-            while self._pending:
-                self._pending.popleft().wait()
+        self.reductions.wait_all()
 
     # ---- backward boundaries -----------------------------------------------------------
 
@@ -101,6 +103,13 @@ class RootContext:
     def reshard_all(self) -> None:
         for state in self.states:
             state.reshard()
+
+
+def _device_of(states: list["UnitState"]) -> torch.device:
+    for state in states:
+        for group in state.groups:
+            return group.main.device
+    return torch.device("cpu")
 
 
 def _ahead(order: list, state, step: int, limit_bytes: int | None) -> list:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from flatfsdp.coalesce import DEFAULT_BUCKET_BYTES
 from flatfsdp.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.mesh import mesh_device
 from flatfsdp.meta_init import materialize_meta
@@ -22,7 +23,7 @@ from flatfsdp.unit_state import UnitState
 def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
                reshard_after_forward: bool | None = None, average_grads: bool = True, sync_each_microbatch: bool = True,
                exclude: frozenset[int] = frozenset(), name: str = "", prefetch_bytes: int | None = None,
-               meta_init_seed: int | None = None) -> UnitState:
+               bucket_bytes: int | None = None, meta_init_seed: int | None = None) -> UnitState:
     if isinstance(module, FSDPModule):
         raise ValueError(f"module '{name or type(module).__name__}' ({type(module).__name__}) is already sharded; "
                          "call fully_shard once per module")
@@ -43,13 +44,20 @@ def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrateg
         group.use_sharded_params()
     state = UnitState(module, groups, policy=policy, reshard_after_forward=reshard_after_forward,
                       average_grads=average_grads, sync_each_microbatch=sync_each_microbatch,
-                      prefetch_bytes=prefetch_bytes)
+                      prefetch_bytes=prefetch_bytes,
+                      bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else _checked_bucket(bucket_bytes))
     state.pending_init = pending_init
     state.init_seed = torch.initial_seed() if meta_init_seed is None else meta_init_seed
     become_fsdp_module(module, state)
     install_state_dict_hooks(module)
     _name_params_from(module)
     return state
+
+
+def _checked_bucket(bucket_bytes: int) -> int:
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes must be a non-negative number of bytes (0: never coalesce), got {bucket_bytes!r}")
+    return bucket_bytes
 
 
 def _name_params_from(module: nn.Module) -> None:

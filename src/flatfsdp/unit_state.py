@@ -19,6 +19,8 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 
+from flatfsdp import coalesce
+from flatfsdp.coalesce import DEFAULT_BUCKET_BYTES
 from flatfsdp.param_group import ParamGroup
 from flatfsdp.precision import MixedPrecisionPolicy
 from flatfsdp.root_context import RootContext
@@ -28,7 +30,7 @@ from flatfsdp.training_state import TrainingState
 class UnitState:
     def __init__(self, module: nn.Module, groups: list[ParamGroup], *, policy: MixedPrecisionPolicy,
                  reshard_after_forward: bool | None, average_grads: bool, sync_each_microbatch: bool,
-                 prefetch_bytes: int | None = None):
+                 prefetch_bytes: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self._module = weakref.ref(module)
         self.groups = groups
         self.policy = policy
@@ -36,6 +38,7 @@ class UnitState:
         self.average_grads = average_grads
         self.sync_each_microbatch = sync_each_microbatch
         self.prefetch_bytes = prefetch_bytes
+        self.bucket_bytes = bucket_bytes
         self.requires_grad_sync = True
         self.training_state = TrainingState.IDLE
         self.context: RootContext | None = None
@@ -61,14 +64,7 @@ class UnitState:
     def unshard(self, async_op: bool = False) -> None:
         """Gather every group (no-op if gathered or on the way); the module
         computes with the gathered views once ``wait_unshard`` returns."""
-        if self._swapped_in:
-            return
-        self.ensure_initialized()
-        with record_function("flatfsdp::unshard"):
-            self._gathers = [group.unshard(async_op) for group in self.groups]
-            for group in self.groups:
-                group.use_unsharded_params()
-            self._swapped_in = True
+        gather_units([self], async_op)
 
     def ensure_initialized(self) -> None:
         """Run a meta-device unit's deferred initialisation (see meta_init)."""
@@ -98,11 +94,10 @@ class UnitState:
         self.wait_unshard()
 
     def _prefetch(self, states: list["UnitState"]) -> None:
-        """Start gathering these units' weights so they arrive while this unit computes."""
-        for state in states:
-            if not state._swapped_in:
-                with record_function("flatfsdp::prefetch"):
-                    state.unshard(async_op=True)
+        """Start gathering these units' weights so they arrive while this unit
+        computes (one coalesced launch for all of them)."""
+        with record_function("flatfsdp::prefetch"):
+            gather_units(states, async_op=True)
 
     @property
     def gathered_bytes(self) -> int:
@@ -177,8 +172,9 @@ class UnitState:
                 group.accumulate_grads()
             if self.requires_grad_sync:
                 for group in self.groups:
-                    if group.has_unreduced_grads:
-                        self.context.track(group.reduce_grads(self.average_grads, async_op=True))
+                    request = group.reduction_request(self.average_grads)
+                    if request is not None:
+                        self.context.submit_reduction(request)
             self.reshard()
 
     # ---- root discovery -----------------------------------------------------------------
@@ -194,6 +190,31 @@ class UnitState:
         for state in states:
             state.context = context
         return context
+
+
+def gather_units(states: list[UnitState], async_op: bool) -> None:
+    """Start gathering the groups of every unit not yet gathered, small ones
+    coalesced into shared collectives, and swap the gathered views in."""
+    todo = [s for s in states if not s._swapped_in]
+    if not todo:
+        return
+    requests, owners = [], []
+    with record_function("flatfsdp::unshard"):
+        for state in todo:
+            state.ensure_initialized()
+            for group in state.groups:
+                request = group.gather_request()
+                if request is not None:
+                    requests.append(request)
+                    owners.append(state)
+        context = todo[0].context
+        pendings = coalesce.gather(requests, async_op=async_op, bucket_bytes=todo[0].bucket_bytes,
+                                   stream=context.gather_stream if context is not None else None)
+        for state in todo:
+            state._gathers = [p for p, owner in zip(pendings, owners) if owner is state]
+            for group in state.groups:
+                group.use_unsharded_params()
+            state._swapped_in = True
 
 
 class _PostBackward(torch.autograd.Function):

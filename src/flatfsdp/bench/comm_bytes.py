@@ -27,6 +27,10 @@ _C10D = {
     "allreduce_": ("all_reduce", 0),
     "allreduce_coalesced_": ("all_reduce", 0),
     "broadcast_": ("broadcast", 0),
+    # Point-to-point: bytes this rank sends / receives (flatfsdp's gloo
+    # exchanges are built from these; see flatfsdp/exchange.py).
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
 }
 # Functional collectives (torch.compile / DTensor paths): the full buffer is the
 # all-gather's result, the reduce-scatter's and all-reduce's input.

@@ -1,0 +1,88 @@
+"""All-gather and reduce-scatter as direct pairwise exchanges (send/recv).
+
+Used on gloo, where they beat gloo's own collectives on the same buffers (see
+Note [gloo exchange]); NCCL's collectives are used as they are.
+
+Both move the minimum: each rank sends every peer exactly the chunk that peer
+needs, once, and receives what it needs from each peer, once -- (world - 1)
+chunks each way, the volume of a ring collective. All sends and receives are
+posted at once, so no ordering between ranks can deadlock, and they progress
+on gloo's transport threads while the caller computes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+_TAG_SPACE = 1 << 20
+_tags: dict[int, itertools.count] = {}
+
+
+def _next_tag(group: dist.ProcessGroup) -> int:
+    # Every rank issues the same exchanges in the same order, so a per-group
+    # counter gives matching sends and receives the same tag on both sides;
+    # distinct tags keep two exchanges in flight between a pair apart.
+    counter = _tags.setdefault(id(group), itertools.count())
+    return next(counter) % _TAG_SPACE
+
+
+def _chunk(flat: torch.Tensor, index: int, size: int) -> torch.Tensor:
+    return flat[index * size:(index + 1) * size]
+
+
+def exchange_all_gather(output: torch.Tensor, shard: torch.Tensor,
+                        group: dist.ProcessGroup) -> list[dist.Work]:
+    """Rank r's ``shard`` lands in chunk r of every rank's ``output``."""
+    world, me, size = group.size(), group.rank(), shard.numel()
+    mine = _chunk(output, me, size)
+    if mine.data_ptr() != shard.data_ptr():
+        mine.copy_(shard)
+    tag, works = _next_tag(group), []
+    for peer in range(world):
+        if peer != me:
+            works.append(dist.isend(mine, group=group, group_dst=peer, tag=tag))
+            works.append(dist.irecv(_chunk(output, peer, size), group=group, group_src=peer, tag=tag))
+    return works
+
+
+def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,
+                            group: dist.ProcessGroup) -> tuple[list[dist.Work], Callable[[], None]]:
+    """Chunk r of ``flat``, summed over ranks, lands in rank r's ``output``.
+
+    Returns the works and the summation to run once they are done. The peers'
+    contributions arrive in a scratch buffer of (world - 1) chunks; the sum
+    runs in rank order, so it is the same whichever rank computes it.
+    """
+    world, me, size = group.size(), group.rank(), output.numel()
+    received = torch.empty((world - 1) * size, dtype=flat.dtype, device=flat.device)
+    tag, works, slots = _next_tag(group), [], {}
+    for peer in range(world):
+        if peer == me:
+            continue
+        slots[peer] = _chunk(received, len(slots), size)
+        works.append(dist.isend(_chunk(flat, peer, size), group=group, group_dst=peer, tag=tag))
+        works.append(dist.irecv(slots[peer], group=group, group_src=peer, tag=tag))
+
+    def finish() -> None:
+        parts = [slots.get(rank, _chunk(flat, me, size)) for rank in range(world)]
+        if output.data_ptr() != parts[0].data_ptr():
+            output.copy_(parts[0])
+        for part in parts[1:]:
+            output.add_(part)
+
+    return works, finish
+
+
+# Note [gloo exchange]
+# Measured on this 2-core host, 2 ranks, 128 MB fp32 buffers (median of 5):
+# gloo all_gather_single 137 ms, reduce_scatter_single 177 ms, all_reduce
+# 98 ms; one send/recv exchange of the 64 MB halves 67-68 ms, plus the add
+# for the reduction. gloo's collectives pipeline through extra copies and
+# rounds; a direct exchange is one transfer each way, so on gloo the engine
+# gathers and reduce-scatters this way. FLATFSDP_GLOO_ALGORITHM selects
+# "exchange" (default), "native" (gloo's own collectives) or "all_reduce"
+# (gradients all-reduced in place, each rank keeping its slice).

@@ -1,0 +1,62 @@
+"""Gradient reductions of one root, from the end of each unit's backward to
+the optimizer step: coalesced when small, asynchronous, bounded in number.
+
+A unit's reduction is issued as soon as its backward ends, unless it is small:
+then it waits in an open bucket (with others of the same kind, dtype and
+group) until the bucket is full, someone needs its result, or the backward
+ends. At most ``max_in_flight`` issued reductions are outstanding; each holds
+an unsharded gradient buffer, so this bounds the memory backward can take.
+
+Every rank submits the same requests in the same order, so every rank issues
+the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from torch.autograd.profiler import record_function
+
+from flatfsdp import coalesce
+from flatfsdp.coalesce import ReduceRequest
+from flatfsdp.collectives import Pending
+from flatfsdp.device import SideStream
+
+
+class ReductionQueue:
+    def __init__(self, *, bucket_bytes: int, max_in_flight: int, stream: SideStream | None = None):
+        self.bucket_bytes = bucket_bytes
+        self.max_in_flight = max_in_flight
+        self.stream = stream
+        self._open: dict[tuple, list[ReduceRequest]] = {}
+        self._in_flight: deque[Pending] = deque()
+
+    def submit(self, request: ReduceRequest) -> None:
+        if request.nbytes >= self.bucket_bytes:
+            self._issue([request])
+            return
+        key = (id(request.group), request.kind, request.flat.dtype)
+        bucket = self._open.get(key)
+        if bucket and sum(r.nbytes for r in bucket) + request.nbytes > self.bucket_bytes:
+            self._issue(self._open.pop(key))
+        self._open.setdefault(key, []).append(request)
+        request.flush = self.flush
+
+    def flush(self) -> None:
+        """Issue every open bucket."""
+        while self._open:
+            self._issue(self._open.pop(next(iter(self._open))))
+
+    def wait_all(self) -> None:
+        with record_function("flatfsdp::wait_reductions"):
+            self.flush()
+            while self._in_flight:
+                self._in_flight.popleft().wait()
+
+    def _issue(self, members: list[ReduceRequest]) -> None:
+        for member in members:
+            member.flush = None
+        pending = coalesce.reduce(members, async_op=True, stream=self.stream)
+        self._in_flight.append(pending)
+        while len(self._in_flight) > self.max_in_flight:
+            self._in_flight.popleft().wait()
