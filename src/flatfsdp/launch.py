@@ -12,14 +12,22 @@
 
 A rank that raises fails the whole launch with that rank's traceback, and the
 other ranks are killed rather than left blocked in a collective forever.
+
+``forward_sigint=True`` is for ranks that handle Ctrl-C themselves (the training
+command saves a checkpoint): the parent then passes its first SIGINT on to every
+rank instead of dying, and stops the ranks only at a second one. A launch that
+fails after a SIGINT raises ``LaunchInterrupted``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -38,23 +46,28 @@ class RankFailed(RuntimeError):
     """A launched rank raised (the message carries its traceback) or died."""
 
 
+class LaunchInterrupted(RankFailed):
+    """The ranks failed or were stopped after Ctrl-C (SIGINT) reached the launcher."""
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
-           threads_per_rank: int = 1, timeout_s: float | None = None) -> Any:
+           threads_per_rank: int = 1, timeout_s: float | None = None, forward_sigint: bool = False) -> Any:
     """Run ``fn(*args)`` on every rank; return rank 0's result (this rank's under torchrun).
 
     ``fn`` must be importable by name (a module-level function) so spawned ranks
     can unpickle it. ``timeout_s`` bounds the whole spawned run (None: no bound).
+    ``forward_sigint``: see the module docstring.
     """
     if under_torchrun():
         _init_group(backend, int(os.environ.get("LOCAL_RANK", 0)))
         return fn(*args)
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
-    return _spawn(fn, nprocs, args, backend, threads_per_rank, timeout_s)
+    return _spawn(fn, nprocs, args, backend, threads_per_rank, timeout_s, forward_sigint)
 
 
 def _init_group(backend: str | None, local_rank: int) -> None:
@@ -105,21 +118,57 @@ def _rank_main(fn, rank: int, world: int, port: int, backend: str | None, thread
             dist.destroy_process_group()
 
 
-def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, timeout_s: float | None) -> Any:
+def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, timeout_s: float | None,
+           forward_sigint: bool = False) -> Any:
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, nprocs, port, backend, threads, reports, args),
                          daemon=True, name=f"flatfsdp-rank{r}") for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    forwarder = _SigintForwarder(procs) if forward_sigint else None
     ok = False
-    try:
-        payload = _collect(procs, reports, timeout_s)
-        ok = True
-    finally:
-        _stop(procs, graceful=ok)
+    with forwarder or contextlib.nullcontext():
+        for p in procs:
+            p.start()
+        try:
+            payload = _collect(procs, reports, timeout_s)
+            ok = True
+        except (RankFailed, KeyboardInterrupt) as exc:
+            if forwarder is not None and forwarder.presses:
+                raise LaunchInterrupted(str(exc) or "stopped by a second Ctrl-C") from None
+            raise
+        finally:
+            _stop(procs, graceful=ok)
     return pickle.loads(payload)  # produced by our own child a moment ago
+
+
+class _SigintForwarder:
+    """While installed: the first SIGINT is sent on to every live rank (which
+    decide what to do with it); a second one raises KeyboardInterrupt here, and
+    the launch then stops the ranks."""
+
+    def __init__(self, procs: list):
+        self.procs = procs
+        self.presses = 0
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.presses += 1
+        if self.presses > 1:
+            raise KeyboardInterrupt
+        for p in self.procs:
+            if p.pid is not None and p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGINT)
+
+    def __enter__(self) -> "_SigintForwarder":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _collect(procs: list, reports, timeout_s: float | None) -> bytes:
