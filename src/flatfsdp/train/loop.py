@@ -1,0 +1,191 @@
+"""What every rank runs: build, shard, maybe resume, train, evaluate, save.
+
+All ranks take every decision together: log points, evaluations and saves
+follow from the step number, and a stop request (Ctrl-C) is agreed on in the
+one all-reduce each step already makes for the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from flatfsdp.checkpoint import CheckpointError
+from flatfsdp.train import data, resume
+from flatfsdp.train.interrupt import StopRequest
+from flatfsdp.train.memory import gather_memory_mb
+from flatfsdp.train.model import build_model, shard
+from flatfsdp.train.options import TrainOptions, UsageError, accumulation_steps
+from flatfsdp.train.progress import make_progress
+from flatfsdp.train.report import finish_report
+from flatfsdp.train.runlog import RunLog
+from flatfsdp.train.schedule import lr_at
+from flatfsdp.train.step import eval_loss_sums, train_step
+
+
+def run(o: TrainOptions) -> dict:
+    """Entry point of every rank (flatfsdp.launch calls it). Problems the user
+    can fix come back as ``{"error": ...}`` for the launcher to print."""
+    try:
+        with StopRequest() as stop:
+            return Trainer(o, stop).train()
+    except (UsageError, CheckpointError) as exc:
+        return {"error": str(exc), "rank": dist.get_rank()}
+
+
+def rank_device() -> torch.device:
+    """CPU under gloo; this rank's accelerator otherwise (launch has set it current)."""
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def resolve_run_dir(o: TrainOptions) -> str:
+    """Rank 0 picks (and creates) the directory; every rank gets its name."""
+    name = [None]
+    if dist.get_rank() == 0:
+        path = o.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")
+        base, n = path, 1
+        while o.run_dir is None and os.path.exists(path):
+            path, n = f"{base}-{n}", n + 1
+        os.makedirs(path, exist_ok=True)
+        name = [path]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+class Trainer:
+    def __init__(self, o: TrainOptions, stop: StopRequest):
+        self.o, self.stop = o, stop
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = rank_device()
+        self.accumulation = accumulation_steps(o, self.world)
+        self.tokens_per_step = o.micro_batch_size * self.accumulation * self.world * o.seq_length
+        self.run_dir = resolve_run_dir(o)
+        self.corpus = data.load_corpus()
+        built = build_model(o, self.device)
+        self.parameters = sum(p.numel() for p in built.model.parameters())
+        self.logits = built.logits
+        self.model, self.optimizer = shard(built, o)
+        self.data_flags = {"seed": o.seed, "global_batch_size": o.micro_batch_size * self.world * self.accumulation,
+                           "seq_length": o.seq_length}
+        self.first_step = self._maybe_resume()
+        self.log = RunLog(os.path.join(self.run_dir, "log.json"), self._config())
+        self.losses: list[tuple[int, float]] = []
+        self.evals: list[tuple[int, float]] = []
+        self.checkpoint: str | None = None
+
+    def _config(self) -> dict:
+        return {**dataclasses.asdict(self.o), "world_size": self.world, "accumulation_steps": self.accumulation,
+                "device": str(self.device), "parameters": self.parameters, "resumed_from_step": self.first_step,
+                "tokens_per_step": self.tokens_per_step, "train_bytes": self.corpus.train.numel(),
+                "eval_bytes": self.corpus.eval.numel()}
+
+    def _maybe_resume(self) -> int:
+        if not self.o.load:
+            return 0
+        info = resume.load(self.o.load, self.model, self.optimizer, self.data_flags, self.device)
+        if self.rank == 0:
+            changed = ", ".join(f"--{k.replace('_', '-')} {now} (saved with {old})"
+                                for k, (old, now) in info["changed"].items())
+            note = f"; note: {changed}: the data order differs from the saved run's" if changed else ""
+            print(f"resumed from {self.o.load} at step {info['step']}{note}", flush=True)
+        return info["step"]
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        o = self.o
+        progress = make_progress(o.train_iters, self.first_step, live=self.rank == 0 and not o.no_progress)
+        started, stopped = time.perf_counter(), None
+        try:
+            for step in range(self.first_step + 1, o.train_iters + 1):
+                step_started = time.perf_counter()
+                loss, interrupted = self._step(step)
+                self._record(step, loss, time.perf_counter() - step_started, progress)
+                stopped = "interrupt" if interrupted else self._exit_due(step)
+                if stopped == "interrupt":
+                    self._save(o.save or os.path.join(self.run_dir, "checkpoint"), step, progress, stopped)
+                if stopped:
+                    break
+                self._periodic(step, progress)
+            if stopped is None:
+                self._at_end(progress)
+            elif stopped == "exit_interval" and o.save:
+                self._save(o.save, step, progress, stopped)
+        finally:
+            progress.close()
+        return finish_report(self, time.perf_counter() - started, stopped)
+
+    def _exit_due(self, step: int) -> str | None:
+        every = self.o.exit_interval
+        return "exit_interval" if every and step % every == 0 and step != self.o.train_iters else None
+
+    def _step(self, step: int) -> tuple[float, bool]:
+        o = self.o
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, o)
+        batches = [data.micro_batch(self.corpus.train, seed=o.seed, step=step, micro=m, rank=self.rank,
+                                    world=self.world, micro_batch_size=o.micro_batch_size,
+                                    accumulation=self.accumulation, seq_length=o.seq_length).to(self.device)
+                   for m in range(self.accumulation)]
+        totals = train_step(self.model, self.optimizer, batches, self.logits,
+                            per_token=o.calculate_per_token_loss, clip_grad=o.clip_grad)
+        flag = torch.tensor([1.0 if self.stop.requested else 0.0], dtype=torch.float64, device=self.device)
+        agreed = torch.cat([totals, flag])
+        dist.all_reduce(agreed)  # loss sum, token count, and how many ranks saw Ctrl-C
+        loss_sum, tokens, stops = agreed.tolist()
+        return loss_sum / tokens, stops > 0
+
+    def _record(self, step: int, loss: float, seconds: float, progress) -> None:
+        self.losses.append((step, loss))
+        tokens_per_s = self.tokens_per_step / seconds
+        self.log.step(step=step, loss=loss, lr=self.optimizer.param_groups[0]["lr"], seconds=round(seconds, 5),
+                      tokens_per_s=round(tokens_per_s, 1))
+        log_point = step == self.first_step + 1 or step % self.o.log_interval == 0 or step == self.o.train_iters
+        memory = gather_memory_mb(self.device) if log_point else None
+        if self.rank == 0:
+            recent = self.log.record["steps"][-self.o.log_interval:]
+            rate = self.tokens_per_step * len(recent) / sum(s["seconds"] for s in recent)
+            progress.step(step, loss, recent[-1]["lr"], rate, log_point, memory)
+            if log_point:
+                self.log.memory(step, memory)
+                self.log.write()
+
+    def _periodic(self, step: int, progress) -> None:
+        o = self.o
+        if o.eval_interval and step % o.eval_interval == 0 and step != o.train_iters:
+            self._evaluate(step, progress)
+        if o.save and o.save_interval and step % o.save_interval == 0 and step != o.train_iters:
+            self._save(o.save, step, progress, "save")
+
+    def _at_end(self, progress) -> None:
+        last = self.losses[-1][0] if self.losses else self.first_step
+        self._evaluate(last, progress)
+        if self.o.save and self.losses:
+            self._save(self.o.save, last, progress, "save")
+
+    def _evaluate(self, step: int, progress) -> None:
+        batches = [b.to(self.device) for b in data.eval_batches(
+            self.corpus.eval, count=self.o.eval_iters, rank=self.rank, world=self.world,
+            micro_batch_size=self.o.micro_batch_size, seq_length=self.o.seq_length)]
+        totals = eval_loss_sums(self.model, batches, self.logits)
+        dist.all_reduce(totals)
+        loss = (totals[0] / totals[1]).item()
+        self.evals.append((step, loss))
+        self.log.eval(step=step, loss=loss)
+        if self.rank == 0:
+            progress.note(f"eval at step {step}: held-out loss {loss:.4f}")
+
+    def _save(self, directory: str, step: int, progress, why: str) -> None:
+        started = time.perf_counter()
+        resume.save(directory, self.model, self.optimizer, step, self.data_flags, self.device)
+        self.checkpoint = directory
+        self.log.event(step, f"{why}: checkpoint {directory}")
+        if self.rank == 0:
+            progress.note(f"saved checkpoint {directory} at step {step} ({time.perf_counter() - started:.1f} s)")

@@ -1,0 +1,152 @@
+"""The command line of `flatfsdp train`: one frozen dataclass, one field per flag.
+
+Flag names follow Megatron-LM / Megatron-FSDP where they have a counterpart, so
+a Megatron user's flags carry over. The parser is generated from the fields so
+a flag, its default and its help text live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from flatfsdp.strategy import ShardingStrategy
+
+PROG = "flatfsdp train"
+
+
+class UsageError(Exception):
+    """A problem with the command line or its inputs: printed as one line, exit status 2."""
+
+
+def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+def parse_strategy(text: str) -> str:
+    """0-3 or a name -> the canonical name (argparse type)."""
+    try:
+        return ShardingStrategy.parse(text).name.lower()
+    except (ValueError, TypeError):
+        names = ", ".join(m.name.lower() for m in ShardingStrategy)
+        raise argparse.ArgumentTypeError(f"unknown strategy {text!r}: use 0-3 or one of {names}") from None
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    # ---- launch ----
+    nproc: int | None = _flag(None, "local ranks to launch (default: every accelerator, else 2 CPU ranks); "
+                                    "ignored under torchrun, whose WORLD_SIZE rules")
+    # ---- sharding (Megatron-FSDP flags) ----
+    data_parallel_sharding_strategy: str = _flag(
+        "optim_grads_params", "what is sharded: no_shard (0, DDP), optim (1, ZeRO-1), optim_grads (2, ZeRO-2), "
+        "optim_grads_params (3, ZeRO-3)", type=parse_strategy, metavar="{no_shard,optim,optim_grads,optim_grads_params,0-3}")
+    grad_reduce_in_bf16: bool = _flag(False, "reduce gradients in bf16 (default: fp32)")
+    init_model_with_meta_device: bool = _flag(False, "build the model on the meta device; each unit is "
+                                                     "initialised on first use, each rank keeping its shard")
+    calculate_per_token_loss: bool = _flag(False, "sum token losses and gradients over ranks and micro-batches, "
+                                                  "then divide by the global token count once per step")
+    recompute: str = _flag("none", "recompute each transformer block's activations in backward "
+                                   "(torch.utils.checkpoint); bare --recompute means non_reentrant",
+                           nargs="?", const="non_reentrant", choices=["none", "reentrant", "non_reentrant"])
+    bf16: bool = _flag(False, "compute in bf16 (weights cast from fp32 main weights, which the optimizer steps)")
+    # ---- batch and schedule ----
+    micro_batch_size: int = _flag(8, "sequences per rank per forward/backward")
+    global_batch_size: int | None = _flag(None, "sequences per optimizer step over all ranks (default: micro batch "
+                                                "x ranks); accumulation steps = global / (micro x ranks)")
+    seq_length: int = _flag(128, "tokens (bytes) per sequence")
+    train_iters: int = _flag(400, "optimizer steps to train in total (a resumed run counts the loaded steps)")
+    lr: float = _flag(3e-3, "peak learning rate (AdamW)")
+    min_lr: float = _flag(3e-4, "learning rate at the end of the cosine decay")
+    lr_warmup_iters: int | None = _flag(None, "linear warmup steps (default: 5%% of --train-iters)")
+    weight_decay: float = _flag(0.1, "AdamW weight decay")
+    clip_grad: float = _flag(1.0, "clip the global gradient norm to this (0: no clipping)")
+    seed: int = _flag(1234, "seed of the initial weights and of the data order")
+    # ---- model ----
+    num_layers: int = _flag(4, "transformer blocks")
+    hidden_size: int = _flag(128, "width of the residual stream")
+    num_attention_heads: int = _flag(4, "attention heads per block")
+    hf_model: bool = _flag(False, "train a tiny Hugging Face LlamaForCausalLM built from a LlamaConfig (no weights "
+                                  "downloaded) instead of the package GPT; needs pip install 'flatfsdp[hf]'")
+    # ---- checkpoints, evaluation, output ----
+    save: str | None = _flag(None, "checkpoint directory, replaced atomically at each save (end of training, "
+                                   "every --save-interval steps, Ctrl-C)")
+    load: str | None = _flag(None, "resume from this checkpoint: weights, optimizer state, step, RNG")
+    save_interval: int | None = _flag(None, "steps between checkpoints to --save (default: only at the end)")
+    exit_interval: int | None = _flag(None, "stop after the first step divisible by this (saving to --save), "
+                                            "as if interrupted but with exit status 0")
+    eval_interval: int = _flag(100, "steps between evaluations on the held-out text (0: only at the end)")
+    eval_iters: int = _flag(4, "micro-batches per rank in one evaluation")
+    log_interval: int = _flag(10, "steps between log lines and memory reports")
+    run_dir: str | None = _flag(None, "where log.json, loss.png and (without --save) an interrupt checkpoint "
+                                      "go (default: runs/<date-time>)")
+    no_progress: bool = _flag(False, "plain log lines instead of a live progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(prog=PROG, description="Train a GPT on the text shipped with flatfsdp, "
+                                 "sharded over local ranks (or the ranks torchrun started). See docs/train.md.")
+    for f in dataclasses.fields(TrainOptions):
+        meta = dict(f.metadata)
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        kind = meta.pop("type", None) or _TYPES[f.type]
+        parser.add_argument(flag, type=kind, default=f.default, **meta)
+    return parser
+
+
+_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints the whole usage before its error; a one-line error reads better in a terminal and a log."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def parse_options(argv: list[str] | None) -> TrainOptions:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    options = TrainOptions(**vars(args))
+    check_options(options)
+    return options
+
+
+def check_options(o: TrainOptions) -> None:
+    """Checks that need no world size, no files and no imports."""
+    positive = ["micro_batch_size", "seq_length", "train_iters", "num_layers", "hidden_size",
+                "num_attention_heads", "eval_iters", "log_interval"]
+    for name in positive:
+        if getattr(o, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(o, name)}")
+    for name in ["nproc", "global_batch_size", "save_interval", "exit_interval"]:
+        if getattr(o, name) is not None and getattr(o, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(o, name)}")
+    if o.eval_interval < 0 or (o.lr_warmup_iters or 0) < 0:
+        raise UsageError("--eval-interval and --lr-warmup-iters must not be negative")
+    if o.hidden_size % o.num_attention_heads:
+        raise UsageError(f"--hidden-size {o.hidden_size} is not divisible by --num-attention-heads "
+                         f"{o.num_attention_heads}")
+    if o.hf_model and o.init_model_with_meta_device:
+        raise UsageError("--init-model-with-meta-device needs every module to initialise itself in "
+                         "reset_parameters(); the Hugging Face Llama does not (its norms and rotary tables), "
+                         "so use it without --hf-model")
+
+
+def accumulation_steps(o: TrainOptions, world: int) -> int:
+    """Micro-batches per rank per optimizer step; the global batch must split evenly."""
+    per_pass = o.micro_batch_size * world
+    global_batch = o.global_batch_size or per_pass
+    if global_batch % per_pass:
+        raise UsageError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
+                         f"{o.micro_batch_size} x {world} data-parallel ranks = {per_pass}")
+    return global_batch // per_pass
+
+
+def warmup_iters(o: TrainOptions) -> int:
+    return round(0.05 * o.train_iters) if o.lr_warmup_iters is None else o.lr_warmup_iters

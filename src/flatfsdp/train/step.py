@@ -1,0 +1,72 @@
+"""One optimizer step: micro-batches accumulated without communication, one
+gradient reduction, clipping, the step.
+
+Loss scaling. Averaged (the default): each micro-batch's mean token loss is
+divided by the number of micro-batches and the engine averages over ranks, so
+the gradient is that of the global batch's mean token loss. Per token
+(--calculate-per-token-loss): backward runs on summed token losses, the engine
+sums over ranks, and the gradients are divided once by the global token count
+-- Megatron's recipe, exact when sequences differ in length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from flatfsdp.models.gpt import lm_loss
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor],
+               logits_fn: Callable, *, per_token: bool, clip_grad: float) -> torch.Tensor:
+    """Run forward/backward over ``batches`` (this rank's micro-batches), step the
+    optimizer, and return ``[sum of token losses, token count]`` on this rank (fp64)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=batches[0].device)  # no host sync per micro-batch
+    for index, batch in enumerate(batches):
+        last = index == len(batches) - 1
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        with (contextlib.nullcontext() if last else model.no_sync()), record_function("train::micro_batch"):
+            token_losses = lm_loss(logits_fn(model, inputs), targets, reduction="sum")
+            tokens = targets.numel()
+            scale = 1.0 if per_token else 1.0 / (tokens * len(batches))
+            (token_losses * scale).backward()
+        totals[0] += token_losses.detach().double()
+        totals[1] += tokens
+    model.finish_grad_sync()  # clipping and per-token scaling read the reduced gradients
+    if per_token:
+        _divide_grads(model, _global_tokens(totals[1]))
+    if clip_grad > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return totals
+
+
+def _global_tokens(local: torch.Tensor) -> float:
+    count = local.clone().reshape(1)
+    dist.all_reduce(count)
+    return count.item()
+
+
+@torch.no_grad()
+def _divide_grads(model: nn.Module, count: float) -> None:
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.div_(count)
+
+
+@torch.no_grad()
+def eval_loss_sums(model: nn.Module, batches: list[torch.Tensor], logits_fn: Callable) -> torch.Tensor:
+    """``[sum of token losses, token count]`` over this rank's evaluation batches."""
+    totals = torch.zeros(2, dtype=torch.float64, device=batches[0].device)
+    with record_function("train::eval"):
+        for batch in batches:
+            targets = batch[:, 1:]
+            totals[0] += lm_loss(logits_fn(model, batch[:, :-1]), targets, reduction="sum").double()
+            totals[1] += targets.numel()
+    return totals

@@ -1,0 +1,86 @@
+"""`flatfsdp train` on 2 real ranks (gloo): resume is bitwise, and the flags
+that should not change the numbers do not.
+
+One launch runs every training run of this module in sequence inside the same
+two processes (flatfsdp.train.loop.run is what each rank of the command runs),
+so the module costs one process start-up rather than one per run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flatfsdp.launch import launch
+from flatfsdp.train.loop import run
+from flatfsdp.train.options import parse_options
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--micro-batch-size", "4", "--eval-iters", "1", "--log-interval", "2", "--no-progress"]
+
+
+def _runs(jobs: dict[str, list[str]]) -> dict[str, dict]:
+    """Every rank: each named run in order (later ones may load what earlier ones saved)."""
+    return {name: run(parse_options(argv)) for name, argv in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+
+    def job(name: str, *flags: str) -> list[str]:
+        return TINY + ["--run-dir", str(root / name), *flags]
+
+    ckpt, bf16_ckpt = str(root / "ckpt"), str(root / "bf16-ckpt")
+    jobs = {
+        "straight": job("straight", "--train-iters", "8"),
+        "first_half": job("first_half", "--train-iters", "8", "--exit-interval", "4", "--save", ckpt),
+        "second_half": job("second_half", "--train-iters", "8", "--load", ckpt),
+        "meta": job("meta", "--train-iters", "8", "--init-model-with-meta-device"),
+        "bf16_straight": job("bf16_straight", "--train-iters", "6", "--bf16", "--grad-reduce-in-bf16",
+                             "--recompute", "--data-parallel-sharding-strategy", "optim"),
+        "bf16_first": job("bf16_first", "--train-iters", "6", "--bf16", "--grad-reduce-in-bf16", "--recompute",
+                          "--data-parallel-sharding-strategy", "optim", "--exit-interval", "3", "--save", bf16_ckpt),
+        "bf16_second": job("bf16_second", "--train-iters", "6", "--bf16", "--grad-reduce-in-bf16", "--recompute",
+                           "--data-parallel-sharding-strategy", "optim", "--load", bf16_ckpt),
+        "one_pass": job("one_pass", "--train-iters", "4", "--micro-batch-size", "4", "--global-batch-size", "8"),
+        "accumulated": job("accumulated", "--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "8",
+                           "--calculate-per-token-loss", "--data-parallel-sharding-strategy", "optim_grads"),
+        "other_strategy": job("other_strategy", "--train-iters", "8", "--load", ckpt,
+                              "--data-parallel-sharding-strategy", "no_shard"),
+    }
+    return launch(_runs, 2, jobs, timeout_s=300)
+
+
+def test_resume_continues_with_bitwise_identical_losses(results):
+    straight = results["straight"]["losses"]
+    first, second = results["first_half"], results["second_half"]
+    assert len(straight) == 8 and first["stopped"] == "exit_interval" and first["last_step"] == 4
+    assert second["first_step"] == 5 and second["last_step"] == 8
+    assert first["losses"] + second["losses"] == straight  # exact, not approximate
+    assert results["second_half"]["eval_loss"] == results["straight"]["eval_loss"]
+
+
+def test_bf16_resume_with_recompute_and_zero1_is_bitwise_too(results):
+    assert results["bf16_first"]["losses"] + results["bf16_second"]["losses"] == results["bf16_straight"]["losses"]
+
+
+def test_meta_device_init_trains_exactly_like_normal_init(results):
+    assert results["meta"]["losses"] == results["straight"]["losses"]
+
+
+def test_accumulation_with_per_token_loss_matches_one_pass_of_the_same_global_batch(results):
+    one_pass, accumulated = results["one_pass"], results["accumulated"]
+    assert accumulated["losses"] == pytest.approx(one_pass["losses"], rel=1e-4)
+    assert accumulated["losses"] != one_pass["losses"]  # really a different path (sum, no_sync, divide)
+
+
+def test_checkpoint_resumes_under_another_strategy(results):
+    resumed, straight = results["other_strategy"]["losses"], results["straight"]["losses"][4:]
+    assert resumed == pytest.approx(straight, rel=1e-4)
+
+
+def test_loss_goes_down_and_every_unit_is_sharded(results):
+    s = results["straight"]
+    assert s["losses"][-1] < s["losses"][0] - 0.5
+    assert s["sharded_units"] == 3  # two blocks and the root
+    assert len(s["peak_rss_mb_per_rank"]) == 2 and min(s["peak_rss_mb_per_rank"]) > 0
