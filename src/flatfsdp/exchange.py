@@ -69,6 +69,14 @@ def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,
 
     def finish() -> None:
         parts = [slots.get(rank, _chunk(flat, me, size)) for rank in range(world)]
+        if any(part.data_ptr() == output.data_ptr() for part in parts[1:]):
+            # ``output`` is this rank's own chunk of ``flat`` (a kept gradient
+            # buffer reduced in place) and a later term: sum aside, then store.
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total.add_(part)
+            output.copy_(total)
+            return
         if output.data_ptr() != parts[0].data_ptr():
             output.copy_(parts[0])
         for part in parts[1:]:
