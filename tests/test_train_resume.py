@@ -8,6 +8,8 @@ so the module costs one process start-up rather than one per run.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from flatfsdp.launch import launch
@@ -48,7 +50,7 @@ def results(tmp_path_factory):
         "other_strategy": job("other_strategy", "--train-iters", "8", "--load", ckpt,
                               "--data-parallel-sharding-strategy", "no_shard"),
     }
-    return launch(_runs, 2, jobs, timeout_s=300)
+    return {"root": root, **launch(_runs, 2, jobs, timeout_s=300)}
 
 
 def test_resume_continues_with_bitwise_identical_losses(results):
@@ -84,3 +86,18 @@ def test_loss_goes_down_and_every_unit_is_sharded(results):
     assert s["losses"][-1] < s["losses"][0] - 0.5
     assert s["sharded_units"] == 3  # two blocks and the root
     assert len(s["peak_rss_mb_per_rank"]) == 2 and min(s["peak_rss_mb_per_rank"]) > 0
+
+
+def test_run_directory_holds_the_json_log_and_the_loss_curve(results):
+    run_dir = results["root"] / "straight"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["log.json", "loss.png"]
+    log = json.loads((run_dir / "log.json").read_text())
+    assert log["config"]["world_size"] == 2 and log["config"]["hidden_size"] == 32
+    assert [s["step"] for s in log["steps"]] == list(range(1, 9))
+    assert [s["loss"] for s in log["steps"]] == results["straight"]["losses"]
+    assert all(s["tokens_per_s"] > 0 for s in log["steps"])
+    assert [m["step"] for m in log["memory"]][:4] == [1, 2, 4, 6]  # first step, then every --log-interval 2
+    assert all(len(m["ranks"]) == 2 and m["ranks"][1]["rss_mb"] > 0 for m in log["memory"])
+    assert log["evals"] == [{"step": 8, "loss": results["straight"]["eval_loss"]}]
+    assert log["summary"]["last_step"] == 8 and not log["summary"]["interrupted"]
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

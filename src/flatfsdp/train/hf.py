@@ -38,8 +38,11 @@ def build_llama(o: TrainOptions, vocab_size: int) -> nn.Module:
         max_position_embeddings=o.seq_length, attention_dropout=0.0, use_cache=False)
     model = LlamaForCausalLM(config)
     if o.recompute != "none":
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": o.recompute == "reentrant"})
+        kwargs = {"use_reentrant": o.recompute == "reentrant"}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
 
 

@@ -174,7 +174,11 @@ class Trainer:
         batches = [b.to(self.device) for b in data.eval_batches(
             self.corpus.eval, count=self.o.eval_iters, rank=self.rank, world=self.world,
             micro_batch_size=self.o.micro_batch_size, seq_length=self.o.seq_length)]
-        totals = eval_loss_sums(self.model, batches, self.logits)
+        self.model.eval()  # dropout and recompute off (no_grad is set by eval_loss_sums)
+        try:
+            totals = eval_loss_sums(self.model, batches, self.logits)
+        finally:
+            self.model.train()
         dist.all_reduce(totals)
         loss = (totals[0] / totals[1]).item()
         self.evals.append((step, loss))
