@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true", help=meta["help"])
             continue
         kind = meta.pop("type", None) or _TYPES[f.type]
+        if f.default is not None:
+            meta["help"] += f" (default: {f.default})"
+        if f.name in ("save", "load", "run_dir"):
+            meta["metavar"] = "DIR"
         parser.add_argument(flag, type=kind, default=f.default, **meta)
     return parser
 
