@@ -107,6 +107,7 @@ def _error_of(capsys, argv: list[str]) -> str:
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--recompute", "sometimes"], "invalid choice: 'sometimes'"),
     (["--hf-model", "--init-model-with-meta-device"], "--init-model-with-meta-device needs"),
+    (["--save-interval", "5"], "--save-interval needs --save DIR"),
 ])
 def test_bad_flags_get_one_line_and_status_2(capsys, argv, expected):
     assert expected in _error_of(capsys, argv)

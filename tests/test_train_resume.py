@@ -37,7 +37,8 @@ def results(tmp_path_factory):
         "straight": job("straight", "--train-iters", "8"),
         "first_half": job("first_half", "--train-iters", "8", "--exit-interval", "4", "--save", ckpt),
         "second_half": job("second_half", "--train-iters", "8", "--load", ckpt),
-        "meta": job("meta", "--train-iters", "8", "--init-model-with-meta-device"),
+        "meta": job("meta", "--train-iters", "8", "--init-model-with-meta-device", "--save", str(root / "meta-ckpt"),
+                    "--save-interval", "3"),
         "bf16_straight": job("bf16_straight", "--train-iters", "6", "--bf16", "--grad-reduce-in-bf16",
                              "--recompute", "--data-parallel-sharding-strategy", "optim"),
         "bf16_first": job("bf16_first", "--train-iters", "6", "--bf16", "--grad-reduce-in-bf16", "--recompute",
@@ -101,3 +102,10 @@ def test_run_directory_holds_the_json_log_and_the_loss_curve(results):
     assert log["evals"] == [{"step": 8, "loss": results["straight"]["eval_loss"]}]
     assert log["summary"]["last_step"] == 8 and not log["summary"]["interrupted"]
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_save_interval_saves_along_the_way_and_at_the_end(results):
+    log = json.loads((results["root"] / "meta" / "log.json").read_text())
+    checkpoint = str(results["root"] / "meta-ckpt")
+    assert log["events"] == [{"step": s, "event": f"save: checkpoint {checkpoint}"} for s in (3, 6, 8)]
+    assert results["meta"]["checkpoint"] == checkpoint

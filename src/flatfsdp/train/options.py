@@ -133,6 +133,8 @@ def check_options(o: TrainOptions) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(o, name)}")
     if o.eval_interval < 0 or (o.lr_warmup_iters or 0) < 0:
         raise UsageError("--eval-interval and --lr-warmup-iters must not be negative")
+    if o.save_interval and not o.save:
+        raise UsageError("--save-interval needs --save DIR to save to")
     if o.hidden_size % o.num_attention_heads:
         raise UsageError(f"--hidden-size {o.hidden_size} is not divisible by --num-attention-heads "
                          f"{o.num_attention_heads}")
