@@ -131,7 +131,10 @@ def robustness(rank, world):
         at_rest.add(flatfsdp.allocated_buffer_bytes(model))
         rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     gathered = [m for m in model.modules() if isinstance(m, flatfsdp.FSDPModule) and m._flatfsdp_state._swapped_in]
+    grad_share = sum(g.main_grad.numel() * 4 for m in model.modules() if isinstance(m, flatfsdp.FSDPModule)
+                     for g in m._flatfsdp_state.groups if g.trainable)
     return {"worst": worst, "at_rest": at_rest, "persistent": flatfsdp.persistent_buffer_bytes(model),
+            "grad_share": grad_share,
             "rss_growth_kb": rss[-1] - rss[10], "gathered_at_rest": len(gathered), "evals": evals}
 
 
@@ -181,7 +184,12 @@ def test_next_units_are_gathering_before_the_current_one_computes(results, limit
 def test_evaluation_changing_order_and_repeated_forwards_stay_correct_and_leak_free(results):
     for out in (r["robust"] for r in results):
         assert out["worst"] < 1e-4, out["worst"]
-        assert out["at_rest"] == {out["persistent"]}, out["at_rest"]
+        # Between steps the buffers hold the persistent share, less the ZeRO-3
+        # main grads released once a forward has seen the optimizer drop them
+        # (all of them after an evaluation; a skipped block's after its step):
+        # never more, and no more than those grads less.
+        assert max(out["at_rest"]) == out["persistent"], out["at_rest"]
+        assert min(out["at_rest"]) == out["persistent"] - out["grad_share"], out["at_rest"]
         assert out["gathered_at_rest"] == 0
         assert out["rss_growth_kb"] < 20_000, out["rss_growth_kb"]
         assert len(out["evals"]) == 10

@@ -92,7 +92,7 @@ class ParamGroup:
             else self.model_full.data[lo:hi]
         self.main = self.model_local if self.main_dtype == self.compute_dtype \
             else torch.empty(hi - lo, dtype=self.main_dtype, device=device)
-        self.grad_full = self.main_grad = None
+        self.grad_full = self.main_grad = self._main_grad_buffer = None
         if self.trainable:
             kept = not self.strategy.shards_grads
             self.grad_full = FlatBuffer(n, self.reduce_dtype, device, allocated=kept, name="gradients")
@@ -101,7 +101,10 @@ class ParamGroup:
             if self._grads_aliased:
                 self.main_grad = self.grad_full.data[lo:hi]
             else:
-                self.main_grad = torch.zeros(hi - lo, dtype=self.main_dtype, device=device)
+                # Its own buffer: released between steps once the optimizer
+                # has dropped the grads (see release_consumed_grads).
+                self._main_grad_buffer = FlatBuffer(hi - lo, self.main_dtype, device, name="main grads")
+                self.main_grad = self._main_grad_buffer.data.zero_()
             self._scratch_grad = FlatBuffer(n, self.reduce_dtype, device, allocated=False, name="scratch")
 
     def _fill_from_params(self) -> None:
@@ -287,6 +290,8 @@ class ParamGroup:
             return None
         accum, has_data = self._accum, self._main_grad_has_data()
         self._accum = None
+        if self._main_grad_buffer is not None:
+            self._main_grad_buffer.alloc()  # no-op unless released since the last step
         scale = 1.0 / self.world if average else 1.0
         if not self.strategy.shards_main_weights:
             request = ReduceRequest("all_reduce", accum.data, accum.data, self.pg)
@@ -298,6 +303,16 @@ class ParamGroup:
         request.then.append(lambda: self._finish_reduction(accum, request.output, has_data, scale))
         self._inflight = request
         return request
+
+    def release_consumed_grads(self) -> None:
+        """Free the sharded main grads once the optimizer has set every grad to
+        None (``zero_grad()``): nothing reads them until the next reduction,
+        which re-allocates and overwrites them. Between steps a ZeRO-2/3 rank
+        then holds no gradient memory at all, as with autograd's own grads --
+        it is the forward's activations that grads would otherwise sit beside."""
+        if (self._main_grad_buffer is not None and self._inflight is None and self._accum is None
+                and not self._main_grad_has_data()):
+            self._main_grad_buffer.free()
 
     def wait_reduction(self) -> None:
         if self._inflight is not None:
@@ -358,15 +373,22 @@ class ParamGroup:
     # ---- accounting ---------------------------------------------------------------------
 
     def persistent_bytes(self) -> int:
-        """Bytes this rank keeps between steps in this group's buffers."""
+        """Bytes this rank holds in this group's buffers at the optimizer step:
+        kept weights, main weights and main grads -- the rank's theoretical
+        share. (ZeRO-2/3 main grads are released between steps once the
+        optimizer has dropped them; they count here at their full size.)"""
         tensors = [self.model_local, self.main]
         if not self.strategy.shards_model_weights:
             tensors.append(self.model_full.data)
+        released = 0
         if self.trainable:
-            tensors.append(self.main_grad)
+            if self._main_grad_buffer is not None and not self._main_grad_buffer.is_allocated:
+                released = self.main_grad.numel() * self.main_grad.element_size()
+            else:
+                tensors.append(self.main_grad)
             if not self.strategy.shards_grads:
                 tensors.append(self.grad_full.data)
-        return _distinct_storage_bytes(tensors)
+        return _distinct_storage_bytes(tensors) + released
 
     def allocated_bytes(self) -> int:
         """Bytes this group's buffers hold right now, transient ones included."""

@@ -16,6 +16,7 @@ from torch.autograd.profiler import record_function
 
 from flatfsdp.coalesce import ReduceRequest
 from flatfsdp.device import SideStream, side_stream
+from flatfsdp.host_memory import release_free_host_memory
 from flatfsdp.reduction_queue import ReductionQueue
 from flatfsdp.training_state import TrainingState
 
@@ -39,6 +40,7 @@ class RootContext:
         self.prefetch_bytes = root.prefetch_bytes
         self.bucket_bytes = root.bucket_bytes
         device = _device_of(states)
+        self._on_host = device.type == "cpu"
         self.gather_stream: SideStream = side_stream("gather", device)
         self.reductions = ReductionQueue(bucket_bytes=root.bucket_bytes, max_in_flight=MAX_REDUCTIONS_IN_FLIGHT,
                                          stream=side_stream("reduce", device))
@@ -84,6 +86,11 @@ class RootContext:
         self.wait_reductions()
         if self._order:
             self._last_order, self._order = self._order, []
+        for state in self.states:
+            for group in state.groups:
+                group.release_consumed_grads()
+        if self._on_host:
+            release_free_host_memory()
 
     # ---- execution order -----------------------------------------------------------------
 
