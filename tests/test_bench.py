@@ -101,3 +101,25 @@ def test_launch_returns_rank_zero_value_and_reports_failures():
     assert launch(_sum_ranks, 2, 10.0) == 21.0
     with pytest.raises(RankFailed, match="rank one gives up"):
         launch(_fail_on_rank_one, 2, timeout_s=120)
+
+
+def test_trace_shows_each_phase_of_the_schedule(tmp_path, capsys):
+    from flatfsdp.bench.trace import main as trace_main
+
+    result = trace_main(["--layers", "3", "--d-model", "64", "--heads", "2", "--vocab", "256", "--context", "32",
+                         "--warmup", "1", "--nprocs", "2", "--out", str(tmp_path)])
+    names = [name for _, _, name in result["rows"]]
+    # Forward: each block's gather is issued (prefetch) before the host waits
+    # for the block it is about to run; backward: the units' reductions, then
+    # the end-of-backward wait, then the optimizer.
+    for phase in ("flatfsdp::prefetch", "flatfsdp::all_gather", "flatfsdp::wait_unshard",
+                  "flatfsdp::post_backward", "flatfsdp::reduce_scatter", "flatfsdp::finish_backward",
+                  "flatfsdp::wait_reductions"):
+        assert phase in names, phase
+    assert names.index("flatfsdp::prefetch") < names.index("flatfsdp::post_backward")
+    assert max(i for i, n in enumerate(names) if n == "flatfsdp::finish_backward") < \
+        max(i for i, n in enumerate(names) if n.startswith("Optimizer.step"))
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / f"trace_rank{rank}.json").read_text())
+        assert any(e.get("name") == "flatfsdp::all_gather" for e in trace["traceEvents"])
+    assert "host blocked on communication" in capsys.readouterr().out
