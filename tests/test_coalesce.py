@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import flatfsdp
-from flatfsdp.models.gpt import GPT, TransformerBlock, lm_loss
+from flatfsdp.models.gpt import GPT, TransformerBlock
 from harness import run_ranks
-from training import CFG, batches, full_params, global_mean, local_slice, make_optimizer
+from training import CFG, batches, full_params, make_optimizer, train_with_account
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 CFG4 = dataclasses.replace(CFG, n_layer=4)
@@ -39,16 +39,7 @@ def coalescing_worker(rank, world):
         for bf16 in (False, True):
             for mode, bucket, prefetch in (("separate", 0, None), ("coalesced", EVERYTHING, EVERYTHING)):
                 model, opt = _model(strategy, bucket, prefetch, bf16)
-                losses = []
-                for x in data:
-                    flatfsdp.comm_account().reset()
-                    x = local_slice(x, rank, world)
-                    loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    losses.append(global_mean(loss))
-                comm = flatfsdp.comm_account().snapshot()  # the last step's, before gathering to compare
+                losses, comm = train_with_account(model, opt, rank, world, data)
                 out[(strategy, bf16, mode)] = (losses, full_params(model), comm)
     return out
 

@@ -13,7 +13,8 @@ from torch import nn
 import flatfsdp
 from flatfsdp.models.gpt import GPT, TransformerBlock, lm_loss
 from harness import run_ranks
-from training import CFG, batches, full_params, global_mean, local_slice, make_optimizer, max_diff, train_reference
+from training import (CFG, batches, full_params, global_mean, local_slice, make_optimizer, max_diff,
+                      train_reference, train_with_account)
 
 
 def _sharded(cfg=CFG, **kwargs):
@@ -23,32 +24,18 @@ def _sharded(cfg=CFG, **kwargs):
     return flatfsdp.fully_shard(model, opt, fsdp_unit_modules=[TransformerBlock], **kwargs)
 
 
-def _train(model, opt, rank, world, data):
-    """Losses, and the communication account of the last step."""
-    losses = []
-    for x in data:
-        flatfsdp.comm_account().reset()
-        x = local_slice(x, rank, world)
-        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-    return losses, flatfsdp.comm_account().snapshot()
-
-
 def recompute_and_keeping(rank, world):
     data = batches(4)
     ref_losses, ref_params = train_reference(4, "sgd", data=data)
     out = {}
     for mode in ("none", "reentrant", "non_reentrant"):
         model, opt = _sharded(dataclasses.replace(CFG, recompute=mode))
-        losses, comm = _train(model, opt, rank, world, data)
+        losses, comm = train_with_account(model, opt, rank, world, data)
         out[mode] = (max(abs(a - b) for a, b in zip(losses, ref_losses)),
                      max_diff(full_params(model), ref_params), comm)
     for keep in (True, False):
         model, opt = _sharded(reshard_after_forward=keep)
-        losses, comm = _train(model, opt, rank, world, data)
+        losses, comm = train_with_account(model, opt, rank, world, data)
         out[f"reshard={keep}"] = (max(abs(a - b) for a, b in zip(losses, ref_losses)), 0.0, comm)
     out["numel"] = sum(p.numel() for p in model.parameters())
     out["root_numel"] = sum(p.numel() for g in model._flatfsdp_state.groups for p in g.params)

@@ -93,16 +93,22 @@ def shard_gpt(strategy, bf16: bool = False, opt_name: str = "adamw", **kwargs):
                                 mixed_precision_policy=policy, **kwargs)
 
 
-def train_sharded(model, opt, rank: int, world: int, data: list) -> list:
+def train_with_account(model, opt, rank: int, world: int, data: list) -> tuple[list, dict]:
+    """Losses, and the communication account of the last step."""
     losses = []
     for x in data:
+        flatfsdp.comm_account().reset()
         x = local_slice(x, rank, world)
         loss = lm_loss(model(x[:, :-1]), x[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(global_mean(loss))
-    return losses
+    return losses, flatfsdp.comm_account().snapshot()
+
+
+def train_sharded(model, opt, rank: int, world: int, data: list) -> list:
+    return train_with_account(model, opt, rank, world, data)[0]
 
 
 def full_params(model) -> dict:
