@@ -45,16 +45,21 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _run(kind: str, nbytes: int, stream: SideStream | None, async_op: bool,
-         issue: Callable[[bool], list]) -> Pending:
-    """Count, label and launch one collective; ``issue(async_op)`` enqueues it
-    and returns its work handles. On a side stream the launch is synchronous
-    *to that stream* (the host does not block) and an event marks its end."""
+         issue: Callable[[bool], Pending]) -> Pending:
+    """Count, label and launch one collective; ``issue(async_op)`` enqueues it.
+    On a side stream the launch is synchronous *to that stream* (the host does
+    not block) and an event marks its end."""
     comm_account().add(kind, nbytes)
     with record_function(f"flatfsdp::{kind}"):
         if stream is None or stream.stream is None:
-            return Pending([w for w in issue(async_op) if w is not None])
-        _, event = stream.launch(lambda: issue(False))
-        return Pending(event=event)
+            return issue(async_op)
+        pending, event = stream.launch(lambda: issue(False))
+        pending.event = event
+        return pending
+
+
+def _handles(*works: "dist.Work | None") -> Pending:
+    return Pending([w for w in works if w is not None])
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
@@ -63,9 +68,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     be ``output``'s own slice: in-place gathers need no staging copy."""
     if _gloo_algorithm(group) == "exchange":
         return _run("all_gather", _nbytes(output), None, async_op,
-                    lambda _: exchange_all_gather(output, shard, group))
+                    lambda _: Pending(exchange_all_gather(output, shard, group)))
     return _run("all_gather", _nbytes(output), stream, async_op,
-                lambda a: [dist.all_gather_single(output, shard, group=group, async_op=a)])
+                lambda a: _handles(dist.all_gather_single(output, shard, group=group, async_op=a)))
 
 
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
@@ -74,15 +79,8 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
     ``flat`` may be overwritten (it is a transient gradient buffer)."""
     algorithm = _gloo_algorithm(group)
     if algorithm == "exchange":
-        finish: list[Callable[[], None]] = []
-
-        def issue(_: bool) -> list:
-            works, done = exchange_reduce_scatter(output, flat, group)
-            finish.append(done)
-            return works
-        pending = _run("reduce_scatter", _nbytes(flat), None, async_op, issue)
-        pending.then.extend(finish)
-        return pending
+        return _run("reduce_scatter", _nbytes(flat), None, async_op,
+                    lambda _: Pending(*exchange_reduce_scatter(output, flat, group)))
     if algorithm == "all_reduce":
         pending = all_reduce(flat, group, async_op)
         shard = flat.numel() // group.size()
@@ -91,8 +89,8 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
             pending.then.append(lambda: output.copy_(mine))
         return pending
     return _run("reduce_scatter", _nbytes(flat), stream, async_op,
-                lambda a: [dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group,
-                                                      async_op=a)])
+                lambda a: _handles(dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group,
+                                                              async_op=a)))
 
 
 def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
@@ -101,7 +99,7 @@ def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = Fa
     where gathers are exchanges: replicas must end bitwise equal, which one
     collective guarantees and per-rank sums in different orders would not."""
     return _run("all_reduce", _nbytes(flat), stream, async_op,
-                lambda a: [dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=a)])
+                lambda a: _handles(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=a)))
 
 
 GLOO_ALGORITHMS = ("exchange", "native", "all_reduce")

@@ -50,10 +50,10 @@ def exchange_all_gather(output: torch.Tensor, shard: torch.Tensor,
 
 
 def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,
-                            group: dist.ProcessGroup) -> tuple[list[dist.Work], Callable[[], None]]:
+                            group: dist.ProcessGroup) -> tuple[list[dist.Work], list[Callable[[], None]]]:
     """Chunk r of ``flat``, summed over ranks, lands in rank r's ``output``.
 
-    Returns the works and the summation to run once they are done. The peers'
+    Returns the works and (as a one-item list) the summation to run once they are done. The peers'
     contributions arrive in a scratch buffer of (world - 1) chunks; the sum
     runs in rank order, so it is the same whichever rank computes it.
     """
@@ -82,7 +82,7 @@ def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,
         for part in parts[1:]:
             output.add_(part)
 
-    return works, finish
+    return works, [finish]
 
 
 # Note [gloo exchange]

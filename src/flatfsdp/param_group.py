@@ -278,10 +278,6 @@ class ParamGroup:
     def _main_grad_has_data(self) -> bool:
         return any(sp.grad is not None for sp in self.sharded_params)
 
-    @property
-    def has_unreduced_grads(self) -> bool:
-        return self._accum is not None
-
     def reduction_request(self, average: bool) -> ReduceRequest | None:
         """Hand over the accumulated local gradients for reduction into the main
         grads (summing into what the optimizer has not consumed yet, as autograd

@@ -38,7 +38,6 @@ class RootContext:
         self.training_forward = False
         self.sync_each_microbatch = root.sync_each_microbatch
         self.prefetch_bytes = root.prefetch_bytes
-        self.bucket_bytes = root.bucket_bytes
         device = _device_of(states)
         self._on_host = device.type == "cpu"
         self.gather_stream: SideStream = side_stream("gather", device)
