@@ -93,6 +93,8 @@ def test_small_groups_share_collectives(results, strategy):
         assert separate["all_gather"]["count"] == 10
         assert coalesced["all_gather"]["count"] == 3
     elif strategy in ("optim", "optim_grads"):
-        # ZeRO-1/2 gather the updated weights once per step, before forward.
-        assert separate["all_gather"]["count"] == 6
+        # ZeRO-1/2 gather the updated weights once per step, before forward:
+        # the five trainable groups. No optimizer steps the frozen LayerNorm, so
+        # its copy, gathered at the first step, stays current.
+        assert separate["all_gather"]["count"] == 5
         assert coalesced["all_gather"]["count"] <= 2

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from flatfsdp.strategy import ShardingStrategy
+from flatfsdp import ShardingStrategy
 
 PROG = "flatfsdp train"
 

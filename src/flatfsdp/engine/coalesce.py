@@ -9,8 +9,9 @@ above it go as they are, straight into the buffers parameters view (zero copy).
 The copy is the price of coalescing and is paid only by buffers small enough
 that it costs less than the latency it saves.
 
-Gathers pack bytes (dtypes may mix: nothing is summed); reductions pack per
-dtype, rank-major for a reduce-scatter so each rank's slice stays contiguous.
+Gathers pack bytes (dtypes may mix: nothing is summed) and copy each member's
+chunks into place; reductions pack per dtype, rank-major for a reduce-scatter
+so each rank's slice stays contiguous.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from flatfsdp import collectives
-from flatfsdp.collectives import Pending
-from flatfsdp.device import SideStream
+from flatfsdp.engine import collectives
+from flatfsdp.engine.collectives import Pending
+from flatfsdp.engine.device import SideStream
+from flatfsdp.engine.gather import GatherPlan
+from flatfsdp.engine.gather import gather as gather_group
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 """Collectives on buffers under 4 MiB are coalesced: on gloo here a 4 MiB
@@ -32,16 +35,15 @@ gather costs ~5 ms against ~0.7 ms of fixed latency, and copying it ~0.4 ms."""
 
 @dataclass
 class GatherRequest:
-    """Gather ``shard`` from every rank into ``output``; run ``then`` once landed."""
+    """Gather one group's weights (``plan``) over ``group``; run ``then`` once landed."""
 
-    output: torch.Tensor
-    shard: torch.Tensor
+    plan: GatherPlan
     group: dist.ProcessGroup
     then: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        return self.output.numel() * self.output.element_size()
+        return self.plan.nbytes
 
 
 def gather(requests: list[GatherRequest], *, async_op: bool, bucket_bytes: int,
@@ -58,25 +60,24 @@ def gather(requests: list[GatherRequest], *, async_op: bool, bucket_bytes: int,
 def _gather_bucket(members: list[GatherRequest], async_op: bool, stream: SideStream | None) -> Pending:
     if len(members) == 1:
         only = members[0]
-        pending = collectives.all_gather(only.output, only.shard, only.group, async_op, stream)
+        pending = gather_group(only.plan, only.group, async_op=async_op, stream=stream)
         pending.then.extend(only.then)
         return pending
-    group, world = members[0].group, members[0].group.size()
-    sizes = [m.shard.numel() * m.shard.element_size() for m in members]
-    total = sum(sizes)
-    device = members[0].shard.device
-    packed_in = torch.empty(total, dtype=torch.uint8, device=device)
-    packed_out = torch.empty(world * total, dtype=torch.uint8, device=device)
-    offsets = _offsets(sizes)
+    # One byte row per rank holding every member's local buffer back to back;
+    # each member's part of the gathered rows is copied into place.
+    group, world, rank = members[0].group, members[0].group.size(), members[0].group.rank()
+    sizes = [m.plan.layout.shard_numel * m.plan.unsharded.element_size() for m in members]
+    total, offsets = sum(sizes), _offsets(sizes)
+    device = members[0].plan.unsharded.device
+    packed = torch.empty(world, total, dtype=torch.uint8, device=device)
     for m, off, size in zip(members, offsets, sizes):
-        packed_in[off:off + size].copy_(m.shard.reshape(-1).view(torch.uint8))
-    pending = collectives.all_gather(packed_out, packed_in, group, async_op, stream)
+        everything = list(range(len(m.plan.layout.params)))
+        m.plan.pack(packed[rank, off:off + size].view(m.plan.dtype), everything)
+    pending = collectives.all_gather(packed.view(-1), packed[rank], group, async_op, stream)
 
     def unpack() -> None:
-        by_rank = packed_out.view(world, total)
         for m, off, size in zip(members, offsets, sizes):
-            m.output.view(torch.uint8).view(world, size).copy_(by_rank[:, off:off + size])
-        for m in members:
+            m.plan.unpack(packed[:, off:off + size].view(m.plan.dtype), list(range(len(m.plan.layout.params))))
             for callback in m.then:
                 callback()
     pending.then.append(unpack)

@@ -12,12 +12,13 @@ module; until then a unit holds only its (uninitialised) flat buffers.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import torch
 from torch import nn
 
-from flatfsdp.registry import FQN_OF, mark_weights_changed
+from flatfsdp.engine import views
 
 
 def derived_seed(seed: int, module_name: str) -> int:
@@ -72,43 +73,37 @@ def materialize_meta(unit: nn.Module, slots: list, device: torch.device,
             for module, attr in slot.locations:
                 module._parameters[attr] = real
             replaced[real] = slot.param
-            slots[i] = type(slot)(slot.fqn, real, slot.locations, slot.keys)
+            slots[i] = dataclasses.replace(slot, param=real)
     return pending
 
 
 def initialize_pending(state) -> None:
     """Run the deferred ``reset_parameters()`` of a unit's modules into a
-    temporary full copy of each group (main dtype), keep this rank's piece."""
+    temporary full copy of each group (main dtype), keep this rank's chunks."""
     pending, state.pending_init = state.pending_init, []
     if not pending:
         return
-    temps, views = [], []
+    temps, saved = [], []
     for group in state.groups:
-        temp = torch.empty(group.layout.padded_numel, dtype=group.main.dtype, device=group.main.device)
-        views.append([param.data for param in group.params])  # views of the (maybe freed) model buffer
-        for index, param in enumerate(group.params):
-            param.data = group.full_param(temp, index)
+        temp = torch.empty(group.layout.unsharded_numel, dtype=group.main.dtype, device=group.main.device)
+        saved.append([param.data for param in group.params])  # views of the (maybe freed) model buffer
+        for p, param in zip(group.layout.params, group.params):
+            param.data = views.unsharded_param(temp, p)
         group.use_unsharded_params()
         temps.append(temp)
     with torch.no_grad():
         for path, module in pending:
-            seeded_reset(module, state.init_seed, _model_name(state, path))
-        for group, temp, saved in zip(state.groups, temps, views):
-            for index, param in enumerate(group.params):
-                start, end = group.piece_bounds(index)
-                group.main[start:end].copy_(group.own_piece(group.full_param(temp, index), index))
-                param.data = saved[index]
+            seeded_reset(module, state.init_seed, _model_name(state.path, path))
+        for group, temp, old in zip(state.groups, temps, saved):
+            for index, (p, param) in enumerate(zip(group.layout.params, group.params)):
+                group.main_chunk(index).copy_(group.own_chunk_of(views.unsharded_param(temp, p), index))
+                param.data = old[index]
             group.use_sharded_params()
-    mark_weights_changed()
+            group.note_weights_written()
 
 
-def _model_name(state, path_in_unit: str) -> str:
-    """A module's name in the whole model: the unit's own name (read off any of
-    its parameters' registered names) followed by the module's path in the unit."""
-    for group in state.groups:
-        for slot, sharded in zip(group.slots, group.sharded_params):
-            if sharded in FQN_OF:
-                full = FQN_OF[sharded]
-                prefix = full[:len(full) - len(slot.fqn)]  # "" or "blocks.0."
-                return prefix + path_in_unit if path_in_unit else prefix.rstrip(".")
-    return path_in_unit
+def _model_name(unit_path: str, path_in_unit: str) -> str:
+    """A module's name in the whole model: the unit's own name, then its path in the unit."""
+    if not unit_path:
+        return path_in_unit
+    return f"{unit_path}.{path_in_unit}" if path_in_unit else unit_path

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from torch import nn
 
-from flatfsdp.unit_state import UnitState
+from flatfsdp.engine.unit_state import UnitState
 
 _CLASS_CACHE: dict[type, type] = {}
 

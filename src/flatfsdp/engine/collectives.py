@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from flatfsdp.comm_account import comm_account
-from flatfsdp.device import SideStream, wait_event
-from flatfsdp.exchange import exchange_all_gather, exchange_reduce_scatter
+from flatfsdp.engine.comm_account import comm_account
+from flatfsdp.engine.device import SideStream, wait_event
+from flatfsdp.engine.exchange import exchange_all_gather, exchange_reduce_scatter, post_messages
 
 
 @dataclass
@@ -40,16 +40,16 @@ class Pending:
             callback()
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _run(kind: str, nbytes: int, stream: SideStream | None, async_op: bool,
+def _run(kind: str, size: int, stream: SideStream | None, async_op: bool,
          issue: Callable[[bool], Pending]) -> Pending:
     """Count, label and launch one collective; ``issue(async_op)`` enqueues it.
     On a side stream the launch is synchronous *to that stream* (the host does
     not block) and an event marks its end."""
-    comm_account().add(kind, nbytes)
+    comm_account().add(kind, size)
     with record_function(f"flatfsdp::{kind}"):
         if stream is None or stream.stream is None:
             return issue(async_op)
@@ -64,22 +64,38 @@ def _handles(*works: "dist.Work | None") -> Pending:
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                async_op: bool = False, stream: SideStream | None = None) -> Pending:
-    """Gather equal shards into ``output`` (which parameters view). ``shard`` may
-    be ``output``'s own slice: in-place gathers need no staging copy."""
-    if _gloo_algorithm(group) == "exchange":
-        return _run("all_gather", _nbytes(output), None, async_op,
+    """Gather equal shards into ``output``, rank-major. ``shard`` may be
+    ``output``'s own slice: in-place gathers need no staging copy."""
+    if gloo_algorithm(group) == "exchange":
+        return _run("all_gather", nbytes(output), None, async_op,
                     lambda _: Pending(exchange_all_gather(output, shard, group)))
-    return _run("all_gather", _nbytes(output), stream, async_op,
-                lambda a: _handles(dist.all_gather_single(output, shard, group=group, async_op=a)))
+    return _run("all_gather", nbytes(output), stream, async_op,
+                lambda a: _handles(dist.all_gather_into_tensor(output, shard, group=group, async_op=a)))
+
+
+def gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup, size: int,
+                  async_op: bool = False, stream: SideStream | None = None) -> Pending:
+    """Several equal-shard all-gathers that together fill one buffer of ``size``
+    bytes (counted once): ``(output, shard)`` pairs, each rank-major."""
+    def issue(a: bool) -> Pending:
+        return _handles(*(dist.all_gather_into_tensor(out, shard, group=group, async_op=a) for out, shard in pieces))
+    return _run("all_gather", size, stream, async_op, issue)
+
+
+def exchange(kind: str, size: int, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
+             group: dist.ProcessGroup) -> Pending:
+    """Point-to-point messages that together implement one collective of
+    ``size`` bytes (counted as ``kind``); see exchange.post_messages."""
+    return _run(kind, size, None, True, lambda _: Pending(post_messages(sends, recvs, group)))
 
 
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool = False, stream: SideStream | None = None) -> Pending:
     """Sum ``flat`` over the group; this rank's equal slice lands in ``output``.
     ``flat`` may be overwritten (it is a transient gradient buffer)."""
-    algorithm = _gloo_algorithm(group)
+    algorithm = gloo_algorithm(group)
     if algorithm == "exchange":
-        return _run("reduce_scatter", _nbytes(flat), None, async_op,
+        return _run("reduce_scatter", nbytes(flat), None, async_op,
                     lambda _: Pending(*exchange_reduce_scatter(output, flat, group)))
     if algorithm == "all_reduce":
         pending = all_reduce(flat, group, async_op)
@@ -88,8 +104,8 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
         if mine.data_ptr() != output.data_ptr():
             pending.then.append(lambda: output.copy_(mine))
         return pending
-    return _run("reduce_scatter", _nbytes(flat), stream, async_op,
-                lambda a: _handles(dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group,
+    return _run("reduce_scatter", nbytes(flat), stream, async_op,
+                lambda a: _handles(dist.reduce_scatter_tensor(output, flat, op=dist.ReduceOp.SUM, group=group,
                                                               async_op=a)))
 
 
@@ -98,14 +114,14 @@ def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = Fa
     """Sum ``flat`` over the group, in place. Kept as gloo's own all-reduce even
     where gathers are exchanges: replicas must end bitwise equal, which one
     collective guarantees and per-rank sums in different orders would not."""
-    return _run("all_reduce", _nbytes(flat), stream, async_op,
+    return _run("all_reduce", nbytes(flat), stream, async_op,
                 lambda a: _handles(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=a)))
 
 
 GLOO_ALGORITHMS = ("exchange", "native", "all_reduce")
 
 
-def _gloo_algorithm(group: dist.ProcessGroup) -> str:
+def gloo_algorithm(group: dist.ProcessGroup) -> str:
     """How gathers and reduce-scatters run: "native" everywhere but gloo; on
     gloo FLATFSDP_GLOO_ALGORITHM (default "exchange", Note [gloo exchange] in
     exchange.py; "all_reduce" all-reduces gradients and keeps the local slice)."""

@@ -57,15 +57,3 @@ def wait_event(event: "torch.Event | None") -> None:
     """Make the compute stream wait for side-stream work (no host block)."""
     if event is not None:
         torch.accelerator.current_stream().wait_event(event)
-
-
-_SIDE_STREAMS: dict[tuple[str, str], SideStream] = {}
-
-
-def side_stream(kind: str, device: torch.device) -> SideStream:
-    """The process's stream for ``kind`` ("gather" or "reduce") on ``device``;
-    two kinds so a gradient reduction never queues behind a prefetch."""
-    key = (kind, str(device))
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = SideStream(device)
-    return _SIDE_STREAMS[key]

@@ -9,13 +9,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatfsdp.mesh import resolve_dp_mesh
-from flatfsdp.optimizer import fully_shard_optimizer
-from flatfsdp.precision import resolve_policy
-from flatfsdp.shard_unit import shard_unit
-from flatfsdp.strategy import ShardingStrategy
-from flatfsdp.tied_params import params_used_outside
-from flatfsdp.unit_classes import resolve_unit_classes
+from flatfsdp.engine.layout import check_block
+from flatfsdp.engine.mesh import resolve_dp_mesh
+from flatfsdp.engine.optimizer import fully_shard_optimizer
+from flatfsdp.engine.precision import resolve_policy
+from flatfsdp.engine.shard_unit import shard_unit
+from flatfsdp.engine.strategy import ShardingStrategy
+from flatfsdp.engine.tied_params import params_used_outside
+from flatfsdp.engine.unit_classes import resolve_unit_classes
 
 # Megatron-FSDP keywords accepted for drop-in compatibility that change nothing
 # here: overlap is always on, state dicts are always DCP-ready, and the NCCL
@@ -34,7 +35,8 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
                 calculate_per_token_loss: bool = False, grad_reduce_in_fp32: bool = False,
                 preserve_fp32_weights: bool = True, init_model_with_meta_device: bool = False,
                 prefetch_bytes: int | None = None, bucket_bytes: int | None = None,
-                meta_init_seed: int | None = None, **kwargs: Any):
+                meta_init_seed: int | None = None, shard_block: int | tuple[int, int] | None = None,
+                **kwargs: Any):
     """Shard ``module``.
 
     * ``fully_shard(model, optimizer, fsdp_unit_modules=[Block], ...)`` shards every
@@ -42,18 +44,22 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
       (Megatron-FSDP style; without an optimizer it returns the model).
     * ``fully_shard(block, mesh=..., mp_policy=..., reshard_after_forward=...)`` shards
       one unit and returns it (PyTorch FSDP2 style; call bottom-up, then on the root).
+
+    ``shard_block`` (B elements, or an (R, C) tile) keeps rank boundaries out of
+    blocks, for block-wise optimizer state: see docs/placements.md.
     """
     options = _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs)
-    options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed)
+    options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed,
+                   shard_block=_checked_block(shard_block))
     if fsdp_unit_modules is None and optimizer is None:
         shard_unit(module, reshard_after_forward=reshard_after_forward, **options)
         return module
     _shard_model(module, fsdp_unit_modules or (), reshard_after_forward, options)
     if optimizer is None:
         return module
-    return module, fully_shard_optimizer(optimizer, model=module)
+    return module, fully_shard_optimizer(optimizer, module)
 
 
 def fully_shard_model(module: nn.Module, *, fsdp_unit_modules: Iterable[type | str] | None = None,
@@ -63,13 +69,15 @@ def fully_shard_model(module: nn.Module, *, fsdp_unit_modules: Iterable[type | s
                       grad_reduce_in_fp32: bool = False, preserve_fp32_weights: bool = True,
                       init_model_with_meta_device: bool = False, reshard_after_forward: bool | None = None,
                       prefetch_bytes: int | None = None, bucket_bytes: int | None = None,
-                      meta_init_seed: int | None = None, **kwargs: Any) -> nn.Module:
+                      meta_init_seed: int | None = None, shard_block: int | tuple[int, int] | None = None,
+                      **kwargs: Any) -> nn.Module:
     """Megatron-FSDP's model half: shard units bottom-up, then the root. Bind an
     optimizer afterwards with ``fully_shard_optimizer``."""
     options = _options(None, device_mesh, dp_shard_dim, zero_dp_strategy, None, mixed_precision_policy,
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs)
-    options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed)
+    options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed,
+                   shard_block=_checked_block(shard_block))
     _shard_model(module, fsdp_unit_modules or (), reshard_after_forward, options)
     return module
 
@@ -85,6 +93,11 @@ def _shard_model(model: nn.Module, unit_entries: Iterable[type | str], reshard_a
         shard_unit(unit, reshard_after_forward=reshard_after_forward, name=names[id(unit)],
                    exclude=frozenset(params_used_outside(unit, model)), **options)
     shard_unit(model, reshard_after_forward=reshard_after_forward, name="<root>", **options)
+
+
+def _checked_block(block):
+    check_block(block)
+    return block
 
 
 def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,

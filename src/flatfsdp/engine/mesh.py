@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flatfsdp.device import default_device_type
+from flatfsdp.engine.device import default_device_type
 
 
 def resolve_dp_mesh(mesh: DeviceMesh | None = None, dp_shard_dim: str | None = None) -> DeviceMesh:

@@ -17,10 +17,10 @@ from collections import deque
 
 from torch.autograd.profiler import record_function
 
-from flatfsdp import coalesce
-from flatfsdp.coalesce import ReduceRequest
-from flatfsdp.collectives import Pending
-from flatfsdp.device import SideStream
+from flatfsdp.engine import coalesce
+from flatfsdp.engine.coalesce import ReduceRequest
+from flatfsdp.engine.collectives import Pending
+from flatfsdp.engine.device import SideStream
 
 
 class ReductionQueue:

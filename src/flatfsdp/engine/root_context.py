@@ -7,28 +7,24 @@ lazily on that first forward, when the whole tree is known.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from flatfsdp.coalesce import ReduceRequest
-from flatfsdp.device import SideStream, side_stream
-from flatfsdp.host_memory import release_free_host_memory
-from flatfsdp.reduction_queue import ReductionQueue
-from flatfsdp.training_state import TrainingState
+from flatfsdp.engine.coalesce import ReduceRequest
+from flatfsdp.engine.device import SideStream
+from flatfsdp.engine.host_memory import release_free_host_memory
+from flatfsdp.engine.reduction_queue import ReductionQueue
+from flatfsdp.engine.training_state import TrainingState
 
 if TYPE_CHECKING:
-    from flatfsdp.unit_state import UnitState
+    from flatfsdp.engine.unit_state import UnitState
 
 MAX_REDUCTIONS_IN_FLIGHT = 2
 """Each in-flight reduction holds an unsharded gradient buffer; two let one
 reduce while the next unit's backward fills another, and bound the memory."""
-
-_LIVE_CONTEXTS: "weakref.WeakSet[RootContext]" = weakref.WeakSet()
-
 
 class RootContext:
     def __init__(self, root: "UnitState", states: list["UnitState"]):
@@ -40,14 +36,14 @@ class RootContext:
         self.prefetch_bytes = root.prefetch_bytes
         device = _device_of(states)
         self._on_host = device.type == "cpu"
-        self.gather_stream: SideStream = side_stream("gather", device)
+        # Two streams so a gradient reduction never queues behind a prefetch.
+        self.gather_stream = SideStream(device)
         self.reductions = ReductionQueue(bucket_bytes=root.bucket_bytes, max_in_flight=MAX_REDUCTIONS_IN_FLIGHT,
-                                         stream=side_stream("reduce", device))
+                                         stream=SideStream(device))
         # Units in the order their forwards ran: this step's (for backward
         # prefetch) and the last complete step's (for forward prefetch).
         self._order: list["UnitState"] = []
         self._last_order: list["UnitState"] = []
-        _LIVE_CONTEXTS.add(self)
 
     # ---- reductions in flight ----------------------------------------------------------
 
@@ -72,12 +68,19 @@ class RootContext:
             for state in reversed(self.states):
                 if state.needs_post_backward():
                     state.post_backward()
-            if self.sync_each_microbatch:
+            if self.sync_each_microbatch or not self._bound_optimizers_wait():
                 self.wait_reductions()
             for state in self.states:
                 state.reshard()
                 state.training_state = TrainingState.IDLE
             self.in_backward = False
+
+    def _bound_optimizers_wait(self) -> bool:
+        """Whether every gradient still in flight belongs to parameters that a
+        bound optimizer steps: its step waits for them (see optimizer.py), so
+        they may land while the host moves on. Otherwise an optimizer the engine
+        does not know could step before they land: wait now."""
+        return all(len(g.bound_optimizers) for s in self.states for g in s.groups if g.reduction_in_flight)
 
     def before_root_forward(self) -> None:
         """A new forward: reductions left running by an unsynced step land
@@ -134,9 +137,3 @@ def _ahead(order: list, state, step: int, limit_bytes: int | None) -> list:
         chosen.append(order[index])
         index += step
     return chosen
-
-
-def wait_all_reductions() -> None:
-    """Used before an optimizer step: every root's gradients must have landed."""
-    for context in list(_LIVE_CONTEXTS):
-        context.wait_reductions()

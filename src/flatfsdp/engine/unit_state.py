@@ -19,12 +19,12 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 
-from flatfsdp import coalesce
-from flatfsdp.coalesce import DEFAULT_BUCKET_BYTES
-from flatfsdp.param_group import ParamGroup
-from flatfsdp.precision import MixedPrecisionPolicy
-from flatfsdp.root_context import RootContext
-from flatfsdp.training_state import TrainingState
+from flatfsdp.engine import coalesce
+from flatfsdp.engine.coalesce import DEFAULT_BUCKET_BYTES
+from flatfsdp.engine.param_group import ParamGroup
+from flatfsdp.engine.precision import MixedPrecisionPolicy
+from flatfsdp.engine.root_context import RootContext
+from flatfsdp.engine.training_state import TrainingState
 
 
 class UnitState:
@@ -45,7 +45,12 @@ class UnitState:
         self._swapped_in = False
         self._gathers: list = []
         self.pending_init: list = []
+        self.meta_originals: dict = {}
+        """Real parameter -> the meta-device parameter it replaced (an optimizer
+        built on the meta model still holds the old objects)."""
         self.init_seed = 0
+        self.path = ""
+        """This unit's name in the model the outermost fully_shard call sharded."""
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, with_kwargs=True)
 
@@ -69,7 +74,7 @@ class UnitState:
     def ensure_initialized(self) -> None:
         """Run a meta-device unit's deferred initialisation (see meta_init)."""
         if self.pending_init:
-            from flatfsdp.meta_init import initialize_pending
+            from flatfsdp.engine.meta_init import initialize_pending
             initialize_pending(self)
 
     def wait_unshard(self) -> None:
@@ -101,7 +106,7 @@ class UnitState:
 
     @property
     def gathered_bytes(self) -> int:
-        return sum(g.model_full.numel * g.model_full.data.element_size() for g in self.groups)
+        return sum(g.gathered_bytes for g in self.groups)
 
     # ---- forward hooks ------------------------------------------------------------------
 
@@ -182,14 +187,21 @@ class UnitState:
     def _lazy_init(self) -> RootContext:
         if self.context is not None:
             return self.context
-        from flatfsdp.tied_params import check_params_stay_in_units
+        from flatfsdp.engine.tied_params import check_params_stay_in_units
 
-        states = [m._flatfsdp_state for m in self.module.modules() if hasattr(m, "_flatfsdp_state")]
+        states = unit_states(self.module)
         check_params_stay_in_units(self.module)
         context = RootContext(self, states)
         for state in states:
             state.context = context
         return context
+
+
+def unit_states(module: nn.Module) -> list[UnitState]:
+    """The runtime of every sharded unit in ``module``'s tree (itself included)."""
+    from flatfsdp.engine.fsdp_module import FSDPModule
+
+    return [m._flatfsdp_state for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 def gather_units(states: list[UnitState], async_op: bool) -> None:

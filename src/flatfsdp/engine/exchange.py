@@ -34,6 +34,20 @@ def _chunk(flat: torch.Tensor, index: int, size: int) -> torch.Tensor:
     return flat[index * size:(index + 1) * size]
 
 
+def post_messages(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
+                  group: dist.ProcessGroup) -> list[dist.Work]:
+    """Post every send and receive at once, under one tag. Several messages
+    between the same pair are matched in the order posted (gloo keeps them in
+    order per pair and tag), so both sides must list them in the same order --
+    which they do, building the lists from the same layout."""
+    tag, works = _next_tag(group), []
+    for peer, tensor in sends:
+        works.append(dist.isend(tensor, group=group, group_dst=peer, tag=tag))
+    for peer, tensor in recvs:
+        works.append(dist.irecv(tensor, group=group, group_src=peer, tag=tag))
+    return works
+
+
 def exchange_all_gather(output: torch.Tensor, shard: torch.Tensor,
                         group: dist.ProcessGroup) -> list[dist.Work]:
     """Rank r's ``shard`` lands in chunk r of every rank's ``output``."""
@@ -41,12 +55,9 @@ def exchange_all_gather(output: torch.Tensor, shard: torch.Tensor,
     mine = _chunk(output, me, size)
     if mine.data_ptr() != shard.data_ptr():
         mine.copy_(shard)
-    tag, works = _next_tag(group), []
-    for peer in range(world):
-        if peer != me:
-            works.append(dist.isend(mine, group=group, group_dst=peer, tag=tag))
-            works.append(dist.irecv(_chunk(output, peer, size), group=group, group_src=peer, tag=tag))
-    return works
+    peers = [peer for peer in range(world) if peer != me]
+    return post_messages([(peer, mine) for peer in peers], [(peer, _chunk(output, peer, size)) for peer in peers],
+                         group)
 
 
 def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,

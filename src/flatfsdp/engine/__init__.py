@@ -1,0 +1,20 @@
+"""The engine: sharding, communication and the runtime of sharded modules.
+
+Imports nothing from the applications around it (``flatfsdp.train``,
+``flatfsdp.bench``, ``flatfsdp.checkpoint``, the CLI); tests/test_architecture.py
+enforces the layers drawn in docs/architecture.md.
+"""
+
+from flatfsdp.engine.api import fully_shard, fully_shard_model
+from flatfsdp.engine.comm_account import CommAccount, comm_account
+from flatfsdp.engine.fsdp_module import FSDPModule
+from flatfsdp.engine.memory import allocated_buffer_bytes, persistent_buffer_bytes
+from flatfsdp.engine.meta_init import reset_parameters
+from flatfsdp.engine.optimizer import fully_shard_optimizer
+from flatfsdp.engine.precision import MixedPrecisionPolicy
+from flatfsdp.engine.strategy import ShardingStrategy
+
+__all__ = [
+    "CommAccount", "FSDPModule", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
+    "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes", "reset_parameters",
+]

@@ -1,0 +1,91 @@
+"""Bind an optimizer to a sharded model, keeping its param groups and their
+hyperparameters.
+
+Binding does three things, all through the optimizer's own hook API (nothing
+process-wide, no attribute set on the optimizer):
+
+* parameters the optimizer was built on before sharding are replaced by the
+  DTensors that shard them;
+* before each step it waits for gradient reductions still in flight
+  (``sync_model_each_microbatch=False`` lets them overlap what follows backward);
+* after each step it tells the parameters' groups that their main weights
+  changed, so the next forward re-casts (bf16) and, for ZeRO-1/2, re-gathers
+  them exactly once. (An unbound optimizer works too: the engine then assumes
+  a step after every delivered gradient; see ParamGroup._stamp.)
+
+Its ``state_dict()`` also creates the optimizer state if none exists yet, so
+that loading a checkpoint into it in place (DCP) finds every slot.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatfsdp.engine.unit_state import unit_states
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = None,
+                          **_ignored) -> torch.optim.Optimizer:
+    """Bind ``optimizer`` to the sharded ``model``: every parameter it holds must
+    be one of the model's (original or sharded). Nothing is stepped."""
+    if model is None:
+        raise TypeError("fully_shard_optimizer needs the sharded model: fully_shard_optimizer(optimizer, model)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fully_shard_optimizer expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    sharded_of, group_of = _model_parameters(model)
+    covered = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        bound = []
+        for pi, param in enumerate(group["params"]):
+            sharded = sharded_of.get(id(param))
+            if sharded is None:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}]['params'][{pi}] (shape {tuple(param.shape)}, {param.dtype}) "
+                    f"is not a parameter of the sharded model {type(model).__name__}")
+            if id(sharded) in group_of:
+                owner = group_of[id(sharded)]
+                covered[id(owner)] = owner
+            bound.append(sharded)
+        group["params"] = bound
+    new = [g for g in covered.values() if optimizer not in g.bound_optimizers]
+    if new:  # binding again (or to a second model) hooks only groups not yet covered
+        _install_hooks(optimizer, new)
+    for g in new:
+        g.bound_optimizers.add(optimizer)
+    return optimizer
+
+
+def _model_parameters(model: nn.Module) -> tuple[dict, dict]:
+    """id(original, meta original or sharded parameter) -> sharded parameter, and
+    id(sharded parameter) -> its param group; plain parameters map to themselves."""
+    sharded_of: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
+    group_of = {}
+    for state in unit_states(model):
+        replaced = {id(real): meta for real, meta in state.meta_originals.items()}
+        for group in state.groups:
+            for original, sharded in zip(group.params, group.sharded_params):
+                sharded_of[id(original)] = sharded
+                if id(original) in replaced:
+                    sharded_of[id(replaced[id(original)])] = sharded
+                group_of[id(sharded)] = group
+    return sharded_of, group_of
+
+
+def _install_hooks(optimizer: torch.optim.Optimizer, groups: list) -> None:
+    def before_step(*_):
+        for group in groups:
+            group.wait_reduction()
+
+    def after_step(*_):
+        for group in groups:
+            group.note_weights_written()
+
+    def create_state(opt):
+        if not opt.state and any(p.requires_grad for g in opt.param_groups for p in g["params"]):
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+            _init_optim_state(opt)
+
+    optimizer.register_step_pre_hook(before_step)
+    optimizer.register_step_post_hook(after_step)
+    optimizer.register_state_dict_pre_hook(create_state)

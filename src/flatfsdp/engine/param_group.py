@@ -1,0 +1,431 @@
+"""One unit's parameters that share (dtype, requires_grad, placement): their flat
+buffers and the three things done to them -- unshard, reshard, reduce gradients.
+
+Buffers per group (N = W x S elements, S = each rank's chunk slots; see layout):
+
+====================  ==========  ===========  ============  =================
+buffer                replicated  optim        optim_grads   optim_grads_params
+====================  ==========  ===========  ============  =================
+model weights         N kept      N kept       N kept        S kept, N transient
+main weights (fp32)   N           S            S             S
+grad accumulation     N kept      N kept       N transient   N transient
+main grads (fp32)     N           S            S             S
+====================  ==========  ===========  ============  =================
+
+Where two buffers hold the same dtype and range they are one tensor: fp32
+training keeps no separate main copy (ZeRO-1/2 main weights are this rank's
+chunks *inside* the kept model-weight buffer), and a kept gradient buffer's
+own row doubles as the main grads. The optimizer sees each parameter as a
+DTensor whose local tensor is its chunk of the main weights, placed
+``Shard(dim)`` (torch.chunk's rule) or ``Replicate()``; its ``.grad`` views the
+main grads the same way. The module computes with views of the unsharded buffer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flatfsdp.engine import views
+from flatfsdp.engine.buffer import FlatBuffer
+from flatfsdp.engine.coalesce import GatherRequest, ReduceRequest
+from flatfsdp.engine.gather import GatherPlan
+from flatfsdp.engine.layout import build_group_layout
+from flatfsdp.engine.placement import GroupPlacement
+from flatfsdp.engine.precision import MixedPrecisionPolicy
+
+DIRECT_MIN_BYTES = 256 << 10
+"""Chunk slots this large are received straight into place; smaller ones travel
+together and are copied out (a message costs ~0.1 ms on gloo here, copying
+256 KiB about as much)."""
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter of a unit: every (module, attribute) that registers it."""
+
+    fqn: str
+    param: nn.Parameter
+    locations: tuple[tuple[nn.Module, str], ...]
+    keys: tuple[str, ...] = ()
+    """The state-dict key of every location, relative to the unit."""
+    shard_dim: int | None = 0
+    """The dimension chunked across ranks (None: replicated)."""
+
+
+class ParamGroup:
+    def __init__(self, slots: list[ParamSlot], *, placement: GroupPlacement, policy: MixedPrecisionPolicy,
+                 device: torch.device):
+        self.slots = slots
+        self.params = [s.param for s in slots]
+        self.placement = placement
+        self.mesh = placement.mesh
+        self.pg = self.mesh.get_group()
+        self.index = self.pg.rank() if placement.sharded else 0
+        """Which chunk this rank holds (0 when replicated)."""
+        original = self.params[0].dtype
+        self.trainable = self.params[0].requires_grad and original.is_floating_point
+        self.compute_dtype = policy.compute_dtype(original)
+        # Frozen parameters keep their own dtype: nothing steps them, and their
+        # DTensors (and checkpoints) must hold the values they were given.
+        self.main_dtype = policy.main_dtype(original) if self.trainable else original
+        self.reduce_dtype = policy.grad_reduce_dtype(original)
+        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
+        self.layout = build_group_layout([tuple(p.shape) for p in self.params], placement.world,
+                                         [s.shard_dim for s in slots], direct_min_numel=DIRECT_MIN_BYTES // itemsize)
+        self.bound_optimizers: weakref.WeakSet = weakref.WeakSet()
+        """Optimizers bound by fully_shard_optimizer that step these parameters."""
+        self._written = 0
+        self._delivered = 0
+        self._synced: tuple | None = None
+        self._unsharded = False
+        self._accum: FlatBuffer | None = None
+        self._inflight: ReduceRequest | None = None
+        self._used = [False] * len(self.params)
+        self._allocate(device)
+        self._fill_from_params()
+        self._make_views()
+
+    # ---- construction -------------------------------------------------------------------
+
+    def _allocate(self, device: torch.device) -> None:
+        place, shard, full = self.placement, self.layout.shard_numel, self.layout.unsharded_numel
+        same = self.main_dtype == self.compute_dtype
+        self.unsharded = FlatBuffer(full, self.compute_dtype, device, name="model weights")
+        self.model_local: torch.Tensor | None = None
+        if not place.keep_model_weights:
+            self.model_local = torch.empty(shard, dtype=self.compute_dtype, device=device)
+            self.main = self.model_local if same else torch.empty(shard, dtype=self.main_dtype, device=device)
+        else:
+            self.main = self.unsharded.data if same else torch.empty(shard, dtype=self.main_dtype, device=device)
+        # Replicated, S == N and the local layout is the unsharded one.
+        self._main_in_unsharded = place.keep_model_weights and same
+        self.grads = self.main_grad = self._main_grad_buffer = self._scratch_grad = None
+        if self.trainable:
+            self.grads = FlatBuffer(full, self.reduce_dtype, device, allocated=place.keep_grad_buffer,
+                                    name="gradients")
+            # A kept buffer's own row doubles as the main grads in one dtype.
+            self._grads_aliased = place.keep_grad_buffer and self.reduce_dtype == self.main_dtype
+            if self._grads_aliased:
+                self.main_grad = self.grads.data[self.index * shard:(self.index + 1) * shard]
+            else:
+                # Its own buffer: released between steps once the optimizer
+                # has dropped the grads (see release_consumed_grads).
+                self._main_grad_buffer = FlatBuffer(shard, self.main_dtype, device, name="main grads")
+                self.main_grad = self._main_grad_buffer.data.zero_()
+            self._scratch_grad = FlatBuffer(full, self.reduce_dtype, device, allocated=False, name="scratch")
+        self.gather_plan = None
+        if place.sharded:
+            source = self.unsharded.data if place.keep_model_weights else self.model_local
+            self.gather_plan = GatherPlan(self.layout, self.index, self.unsharded.data, source,
+                                          source_in_unsharded=place.keep_model_weights)
+
+    def main_chunk(self, index: int) -> torch.Tensor:
+        """This rank's chunk of parameter ``index`` in the main weights."""
+        p = self.layout.params[index]
+        if self._main_in_unsharded:
+            return views.unsharded_chunk(self.main, p, self.index)
+        return views.local_chunk(self.main, p, self.index)
+
+    def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's chunk of a full-size value of parameter ``index``."""
+        p = self.layout.params[index]
+        if p.shard_dim is None:
+            return full
+        return full.narrow(p.shard_dim, p.chunk_start(self.index), p.chunk_length(self.index))
+
+    def _fill_from_params(self) -> None:
+        """Main weights straight from the original values (fp32 main weights keep
+        full precision even when compute is bf16); kept model weights too."""
+        with torch.no_grad():
+            if self.placement.keep_model_weights:
+                for p, value in zip(self.layout.params, self.params):
+                    views.unsharded_param(self.unsharded.data, p).copy_(value.detach())
+            if not self._main_in_unsharded:
+                for index, value in enumerate(self.params):
+                    self.main_chunk(index).copy_(self.own_chunk_of(value.detach(), index))
+            if not self.placement.sharded and self.pg.size() > 1:
+                # Replicas must agree: rank 0's values win.
+                torch.distributed.broadcast(self.main, group=self.pg, group_src=0)
+        # Model weights are synced from the main weights before first use
+        # (ZeRO-1/2 gather them, so every replica agrees).
+        self._synced = None
+
+    def _make_views(self) -> None:
+        """Original parameters become views of the unsharded buffer; the
+        optimizer-facing DTensors view the main weights' and grads' chunks."""
+        self.sharded_params, self._grad_dtensors = [], []
+        for index, (p, param) in enumerate(zip(self.layout.params, self.params)):
+            param.data = views.unsharded_param(self.unsharded.data, p)
+            placements = self.placement.dtensor_placements(p)
+            spec = dict(shape=torch.Size(p.shape), stride=_contiguous_strides(p.shape), run_check=False)
+            local = DTensor.from_local(self.main_chunk(index), self.mesh, placements, **spec)
+            self.sharded_params.append(nn.Parameter(local, requires_grad=self.trainable))
+            if self.trainable:
+                grad = views.local_chunk(self.main_grad, p, self.index)
+                self._grad_dtensors.append(DTensor.from_local(grad, self.mesh, placements, **spec))
+        if self.trainable:
+            self._destinations: dict[int, list] = {}
+            self._zero_plans: dict[int, tuple] = {}
+        if not self.placement.keep_model_weights:
+            self.unsharded.free()
+
+    # ---- weights ------------------------------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._unsharded
+
+    def note_weights_written(self) -> None:
+        """The main weights were written where the engine cannot see it (a bound
+        optimizer's step, a load): re-cast and re-gather before next use."""
+        self._written += 1
+
+    def _stamp(self) -> tuple:
+        """Changes whenever the main weights may have changed: a bound optimizer
+        step or a load (``_written``); a plain in-place write into the main
+        buffer (its version counter); an in-place op on a DTensor parameter
+        (their version counters -- foreach kernels skip these, which is why
+        bound optimizers count their steps); and, for parameters no bound
+        optimizer steps, every gradient delivered (an optimizer may have stepped)."""
+        delivered = 0 if len(self.bound_optimizers) else self._delivered
+        return self._written, self.main._version, sum(p._version for p in self.sharded_params), delivered
+
+    def _in_sync(self) -> bool:
+        return self._synced is not None and self._synced == self._stamp()
+
+    def _mark_synced(self) -> None:
+        self._synced = self._stamp()
+
+    def gather_request(self) -> GatherRequest | None:
+        """Mark the group gathered and say what to all-gather for it (None:
+        nothing to communicate -- already gathered, or the kept copy is current)."""
+        if self._unsharded:
+            return None
+        self._unsharded = True
+        if not self.placement.keep_model_weights:
+            if self.model_local is not self.main and not self._in_sync():
+                with torch.no_grad():
+                    self.model_local.copy_(self.main)
+                self._mark_synced()
+            self.unsharded.alloc()
+            return GatherRequest(self.gather_plan, self.pg)
+        if self._in_sync():
+            return None
+        self._cast_main_into_model_weights()
+        if not self.placement.sharded:
+            self._mark_synced()
+            return None
+        return GatherRequest(self.gather_plan, self.pg, then=[self._mark_synced])
+
+    def _cast_main_into_model_weights(self) -> None:
+        """Kept model weights with a separate main copy: this rank's chunks, cast."""
+        if self._main_in_unsharded:
+            return
+        with torch.no_grad():
+            if not self.placement.sharded:
+                self.unsharded.data.copy_(self.main)
+                return
+            torch._foreach_copy_([views.unsharded_chunk(self.unsharded.data, p, self.index)
+                                  for p in self.layout.params],
+                                 [self.main_chunk(i) for i in range(len(self.params))])
+
+    def reshard(self) -> None:
+        """Release the gathered weights (ZeRO-3 only; the others keep them)."""
+        self._unsharded = False
+        if not self.placement.keep_model_weights:
+            self.unsharded.free()
+
+    def use_unsharded_params(self) -> None:
+        for slot in self.slots:
+            for module, attr in slot.locations:
+                module._parameters[attr] = slot.param
+
+    def use_sharded_params(self) -> None:
+        for slot, sharded in zip(self.slots, self.sharded_params):
+            for module, attr in slot.locations:
+                module._parameters[attr] = sharded
+
+    # ---- gradients ----------------------------------------------------------------------
+
+    def accumulate_grads(self) -> bool:
+        """Move the gradients autograd left on the unsharded parameters into the
+        rank-major accumulation buffer. Returns whether there were any."""
+        if not self.trainable:
+            return False
+        pairs = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        if not pairs:
+            return False
+        fresh = self._accum is None
+        if fresh:
+            self.wait_reduction()
+            self._accum = self._pick_accumulation_buffer()
+            self._accum.alloc()
+        destinations = self._grad_destinations(self._accum)
+        dst, src = [], []
+        for i, grad in pairs:
+            dst += destinations[i]
+            src += views.grad_sources(grad, self.layout.params[i])
+        with torch.no_grad():
+            if fresh:
+                self._zero_unwritten(self._accum, {i for i, _ in pairs})
+                torch._foreach_copy_(dst, src)
+            else:
+                torch._foreach_add_(dst, src)
+        for i, _ in pairs:
+            self._used[i] = True
+            self.params[i].grad = None
+        return True
+
+    def _grad_destinations(self, buffer: FlatBuffer) -> list:
+        key = id(buffer)
+        if key not in self._destinations:
+            self._destinations[key] = [views.grad_destinations(buffer.data, self.layout, p)
+                                       for p in self.layout.params]
+        return self._destinations[key]
+
+    def _zero_unwritten(self, buffer: FlatBuffer, written: set[int]) -> None:
+        """Zero alignment gaps, padding and the slots of parameters that got no gradient."""
+        key = id(buffer)
+        if key not in self._zero_plans:
+            flat, layout = buffer.data, self.layout
+            slots = [views.unsharded_param(flat, p) if p.shard_dim is None
+                     else views.wire_slots(views.wire_table(flat, layout), p) for p in layout.params]
+            pads = [views.grad_padding(flat, layout, p) for p in layout.params]
+            self._zero_plans[key] = (views.gaps(flat, layout, layout.world), slots, pads)
+        gaps, slots, pads = self._zero_plans[key]
+        zero = list(gaps)
+        for i in range(len(self.params)):
+            zero += pads[i] if i in written else [slots[i]]
+        if zero:
+            torch._foreach_zero_(zero)
+
+    def _pick_accumulation_buffer(self) -> FlatBuffer:
+        # While the optimizer still holds grads in a buffer that doubles as the
+        # accumulation buffer, a new microbatch accumulates aside.
+        if self._grads_aliased and self._main_grad_has_data():
+            return self._scratch_grad
+        return self.grads
+
+    def _main_grad_has_data(self) -> bool:
+        return any(sp.grad is not None for sp in self.sharded_params)
+
+    def reduction_request(self, average: bool) -> ReduceRequest | None:
+        """Hand over the accumulated local gradients for reduction into the main
+        grads (summing into what the optimizer has not consumed yet, as autograd
+        would). The request is issued by the caller, perhaps coalesced."""
+        if self._accum is None:
+            return None
+        accum, has_data = self._accum, self._main_grad_has_data()
+        self._accum = None
+        if self._main_grad_buffer is not None:
+            self._main_grad_buffer.alloc()  # no-op unless released since the last step
+        scale = 1.0 / self.pg.size() if average else 1.0
+        if not self.placement.sharded:
+            request = ReduceRequest("all_reduce", accum.data, accum.data, self.pg)
+        else:
+            direct = not has_data and self.main_grad.dtype == self.reduce_dtype
+            result = self.main_grad if direct else torch.empty(
+                self.layout.shard_numel, dtype=self.reduce_dtype, device=self.main_grad.device)
+            request = ReduceRequest("reduce_scatter", accum.data, result, self.pg)
+        request.then.append(lambda: self._finish_reduction(accum, request.output, has_data, scale))
+        self._inflight = request
+        return request
+
+    def release_consumed_grads(self) -> None:
+        """Free the sharded main grads once the optimizer has set every grad to
+        None (``zero_grad()``): nothing reads them until the next reduction,
+        which re-allocates and overwrites them. Between steps a ZeRO-2/3 rank
+        then holds no gradient memory at all, as with autograd's own grads --
+        it is the forward's activations that grads would otherwise sit beside."""
+        if (self._main_grad_buffer is not None and self._inflight is None and self._accum is None
+                and not self._main_grad_has_data()):
+            self._main_grad_buffer.free()
+
+    @property
+    def reduction_in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def wait_reduction(self) -> None:
+        if self._inflight is not None:
+            self._inflight.wait()
+
+    def _finish_reduction(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, scale: float) -> None:
+        self._inflight = None
+        with torch.no_grad():
+            if has_data:
+                for p, grad in zip(self.layout.params, self.sharded_params):
+                    if grad.grad is None:
+                        views.local_slot(self.main_grad, p).zero_()
+                self.main_grad.add_(result, alpha=scale)
+            elif result.data_ptr() == self.main_grad.data_ptr():
+                if scale != 1.0:
+                    self.main_grad.mul_(scale)
+            else:
+                torch.mul(result, scale, out=self.main_grad)
+        for i, sp in enumerate(self.sharded_params):
+            if self._used[i]:
+                sp.grad = self._grad_dtensors[i]
+            self._used[i] = False
+        self._delivered += 1
+        if accum is self._scratch_grad or not self.placement.keep_grad_buffer:
+            accum.free()
+
+    # ---- accounting ---------------------------------------------------------------------
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.unsharded.numel * self.unsharded.data.element_size()
+
+    def persistent_bytes(self) -> int:
+        """Bytes this rank holds in this group's buffers at the optimizer step:
+        kept weights, main weights and main grads -- the rank's theoretical
+        share. (ZeRO-2/3 main grads are released between steps once the
+        optimizer has dropped them; they count here at their full size.)"""
+        tensors = [self.main]
+        if self.model_local is not None:
+            tensors.append(self.model_local)
+        if self.placement.keep_model_weights:
+            tensors.append(self.unsharded.data)
+        released = 0
+        if self.trainable:
+            if self._main_grad_buffer is not None and not self._main_grad_buffer.is_allocated:
+                released = self.main_grad.numel() * self.main_grad.element_size()
+            else:
+                tensors.append(self.main_grad)
+            if self.placement.keep_grad_buffer:
+                tensors.append(self.grads.data)
+        return _distinct_storage_bytes(tensors) + released
+
+    def allocated_bytes(self) -> int:
+        """Bytes this group's buffers hold right now, transient ones included."""
+        tensors = [self.unsharded.data, self.main]
+        if self.model_local is not None:
+            tensors.append(self.model_local)
+        if self.trainable:
+            tensors += [self.grads.data, self.main_grad, self._scratch_grad.data]
+        return _distinct_storage_bytes(tensors)
+
+
+def _distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (aliases count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr(), storage.nbytes()
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))

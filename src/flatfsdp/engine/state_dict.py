@@ -1,0 +1,74 @@
+"""Model state dicts: the sharded parameters themselves.
+
+``state_dict()`` holds, under the unsharded model's names, each parameter's
+DTensor -- placed ``Shard(dim)`` or ``Replicate()``, local tensor its chunk of
+the main weights -- exactly what the module holds between steps: no
+collective, nothing beyond the local shard, and what DCP, ``full_tensor()``
+and ``torch.distributed.checkpoint.state_dict`` expect.
+
+``load_state_dict()`` accepts those, DTensors of any other placement
+(redistributed: a collective), or plain full-size tensors (this rank's chunk
+is copied; no collective).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def install_state_dict_hooks(module: nn.Module) -> None:
+    module.register_state_dict_pre_hook(_before_state_dict)
+    module.register_state_dict_post_hook(_sharded_values)
+    module.register_load_state_dict_pre_hook(_to_local_placements)
+    module.register_load_state_dict_post_hook(_note_loaded)
+
+
+def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    module._flatfsdp_state.ensure_initialized()
+
+
+def _sharded_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """Between steps the module holds the sharded parameters already; while it
+    computes (inside forward) it holds the gathered ones -- report the sharded
+    ones either way."""
+    for group in module._flatfsdp_state.groups:
+        for slot, sharded in zip(group.slots, group.sharded_params):
+            for key in slot.keys:
+                if prefix + key in state_dict:
+                    state_dict[prefix + key] = sharded.detach()
+
+
+def _to_local_placements(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                         missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    """Turn each incoming value into a DTensor placed like the parameter, so
+    torch's own copy (and its key and shape checks) does the rest."""
+    state = module._flatfsdp_state
+    state.ensure_initialized()
+    for group in state.groups:
+        for index, (slot, sharded) in enumerate(zip(group.slots, group.sharded_params)):
+            for key in (prefix + k for k in slot.keys if prefix + k in state_dict):
+                value = state_dict[key]
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
+                    state_dict[key] = _placed_like(value, sharded, group, index)
+                # else: torch reports the mismatch
+
+
+def _placed_like(value: torch.Tensor, sharded: DTensor, group, index: int) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        if value.device_mesh == sharded.device_mesh and value.placements == sharded.placements:
+            return value
+        value = value.redistribute(sharded.device_mesh, sharded.placements)
+        return value
+    chunk = group.own_chunk_of(value.detach(), index)
+    chunk = chunk.to(device=sharded.device, dtype=sharded.dtype)
+    return DTensor.from_local(chunk, sharded.device_mesh, sharded.placements, run_check=False,
+                              shape=sharded.shape, stride=sharded.stride())
+
+
+def _note_loaded(module: nn.Module, incompatible_keys) -> None:
+    for group in module._flatfsdp_state.groups:
+        group.note_weights_written()
