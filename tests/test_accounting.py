@@ -8,7 +8,6 @@ import itertools
 import os
 
 import pytest
-import torch
 
 import flatfsdp
 from flatfsdp.models.gpt import lm_loss

@@ -10,9 +10,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
-from flatfsdp.models.gpt import lm_loss
 from harness import run_ranks
-from training import batches, local_slice, make_model, shard_gpt
+from training import batches, make_model, shard_gpt, sharded_step
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -30,21 +29,12 @@ def _full(tree):
     return out
 
 
-def _step(model, opt, x, rank, world):
-    x = local_slice(x, rank, world)
-    loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
-
-
 def save_worker(rank, world, root):
     saved = {}
     for strategy in STRATEGIES:
         model, opt = shard_gpt(strategy, opt_name="adamw")
         for x in batches(3):
-            _step(model, opt, x, rank, world)
+            sharded_step(model, opt, x, rank, world)
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
         dcp.save(state, checkpoint_id=f"{root}/{strategy}")
         saved[strategy] = _full({"model": state["model"], "optim": state["optim"]["state"]})
@@ -68,17 +58,17 @@ def load_worker(rank, world, root, load_strategy):
 def resume_worker(rank, world, root):
     data = batches(6, seed=11)
     model, opt = shard_gpt("optim_grads_params", opt_name="adamw")
-    straight = [_step(model, opt, x, rank, world) for x in data]
+    straight = [sharded_step(model, opt, x, rank, world) for x in data]
     model, opt = shard_gpt("optim_grads_params", opt_name="adamw")
     for x in data[:3]:
-        _step(model, opt, x, rank, world)
+        sharded_step(model, opt, x, rank, world)
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{root}/resume")
     model, opt = shard_gpt("optim_grads_params", opt_name="adamw")
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(state, checkpoint_id=f"{root}/resume")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
-    resumed = [_step(model, opt, x, rank, world) for x in data[3:]]
+    resumed = [sharded_step(model, opt, x, rank, world) for x in data[3:]]
     return straight[3:], resumed
 
 

@@ -41,6 +41,15 @@ def _tied_across_units():
     model(torch.zeros(1, 4, dtype=torch.long))
 
 
+def _tied_in_sibling_units(strategy):
+    """FSDP2 style: the two users of a tied weight sharded as separate units."""
+    model = make_model()
+    flatfsdp.fully_shard(model.tok_emb, zero_dp_strategy=strategy)
+    flatfsdp.fully_shard(model.lm_head, zero_dp_strategy=strategy)
+    flatfsdp.fully_shard(model, zero_dp_strategy=strategy)
+    model(torch.zeros(1, 4, dtype=torch.long))
+
+
 def errors_worker(rank, world):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     cases = {
@@ -54,6 +63,10 @@ def errors_worker(rank, world):
         "sharded_twice": _twice,
         "unknown_strategy": lambda: flatfsdp.fully_shard(make_model(), zero_dp_strategy="zero4"),
         "tied_across_units": _tied_across_units,
+        # ZeRO-3: found when lm_head is sharded (tok_emb's unit released the
+        # weight's memory); ZeRO-2: at the first forward.
+        "tied_in_sibling_units_zero3": lambda: _tied_in_sibling_units("optim_grads_params"),
+        "tied_in_sibling_units_zero2": lambda: _tied_in_sibling_units("optim_grads"),
     }
     return {name: _error_of(fn) for name, fn in cases.items()}
 
@@ -72,6 +85,9 @@ def errors():
     ("sharded_twice", "ValueError", ["TransformerBlock", "already sharded"]),
     ("unknown_strategy", "ValueError", ["'zero4'", "optim_grads_params"]),
     ("tied_across_units", "ValueError", ["lm_head.weight", "'tok_emb'"]),
+    ("tied_in_sibling_units_zero3", "ValueError", ["'weight'", "already managed by another sharded unit"]),
+    ("tied_in_sibling_units_zero2", "ValueError", ["lm_head.weight", "already managed by another sharded unit",
+                                                   "'tok_emb'"]),
 ])
 def test_bad_input_names_the_culprit(errors, case, kind, words):
     assert errors[case] is not None, f"{case}: no error raised"

@@ -23,21 +23,12 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._pytree import tree_map
 
 import flatfsdp
-from flatfsdp.models.gpt import TransformerBlock, lm_loss
+from flatfsdp.models.gpt import TransformerBlock
 from flatfsdp.bench.comm_bytes import CollectiveBytes
 from harness import run_ranks
-from training import CFG, batches, local_slice, make_model, make_optimizer, shard_gpt
+from training import CFG, batches, make_model, make_optimizer, shard_gpt, sharded_step
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-
-
-def _step(model, opt, x, rank, world):
-    x = local_slice(x, rank, world)
-    loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
 
 
 def _local_only(values) -> bool:
@@ -64,7 +55,7 @@ def local_worker(rank, world, root):
         model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy,
                                           mixed_precision_policy=policy)
         for x in batches(2, cfg=WIDE):
-            _step(model, opt, x, rank, world)
+            sharded_step(model, opt, x, rank, world)
         with CommDebugMode() as comm:
             model_sd, optim_sd = model.state_dict(), opt.state_dict()
         optim_values = [v for entry in optim_sd["state"].values() for v in entry.values()]
@@ -119,7 +110,7 @@ def full_state_worker(rank, world):
         for broadcast in (False, True):
             model, opt = shard_gpt(strategy)
             for x in data[:2]:
-                _step(model, opt, x, rank, world)
+                sharded_step(model, opt, x, rank, world)
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             model_sd = _copied(get_model_state_dict(model, options=options))
             optim_sd = _copied(get_optimizer_state_dict(model, opt, options=options))
@@ -137,8 +128,8 @@ def full_state_worker(rank, world):
             set_model_state_dict(fresh, model_sd, options=load)
             set_optimizer_state_dict(fresh, fresh_opt, optim_sd, options=load)
             after = _snapshot(fresh, fresh_opt)
-            continued = [_step(model, opt, x, rank, world).item() for x in data[2:]]
-            resumed = [_step(fresh, fresh_opt, x, rank, world).item() for x in data[2:]]
+            continued = [sharded_step(model, opt, x, rank, world).item() for x in data[2:]]
+            resumed = [sharded_step(fresh, fresh_opt, x, rank, world).item() for x in data[2:]]
             out[(strategy, broadcast)] = dict(
                 held=held, same=before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before),
                 continued=continued, resumed=resumed)

@@ -93,6 +93,16 @@ def shard_gpt(strategy, bf16: bool = False, opt_name: str = "adamw", **kwargs):
                                 mixed_precision_policy=policy, **kwargs)
 
 
+def sharded_step(model, opt, x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """One step on this rank's rows of the global batch ``x``; the local loss."""
+    x = local_slice(x, rank, world)
+    loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def train_with_account(model, opt, rank: int, world: int, data: list) -> tuple[list, dict]:
     """Losses, and the communication account of the last step."""
     losses = []

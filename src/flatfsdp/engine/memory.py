@@ -4,27 +4,19 @@ from __future__ import annotations
 
 from torch import nn
 
+from flatfsdp.engine.unit_state import unit_states
+
 
 def persistent_buffer_bytes(model: nn.Module) -> int:
     """Bytes held by the engine's persistent buffers (model weights, main weights,
     gradients) on this rank, over every sharded unit in ``model``. Transient
     buffers (gathered weights of ZeRO-3, unsharded gradients of ZeRO-2/3) are
     excluded: they live only between a gather and its release."""
-    total = 0
-    for module in model.modules():
-        state = getattr(module, "_flatfsdp_state", None)
-        if state is not None:
-            total += sum(group.persistent_bytes() for group in state.groups)
-    return total
+    return sum(group.persistent_bytes() for state in unit_states(model) for group in state.groups)
 
 
 def allocated_buffer_bytes(model: nn.Module) -> int:
     """Bytes the engine's buffers hold on this rank right now, transient ones
     included. Between steps it equals ``persistent_buffer_bytes``: anything
     more is a leak."""
-    total = 0
-    for module in model.modules():
-        state = getattr(module, "_flatfsdp_state", None)
-        if state is not None:
-            total += sum(group.allocated_bytes() for group in state.groups)
-    return total
+    return sum(group.allocated_bytes() for state in unit_states(model) for group in state.groups)

@@ -20,6 +20,7 @@ from flatfsdp.engine.placement import GroupPlacement
 from flatfsdp.engine.precision import MixedPrecisionPolicy
 from flatfsdp.engine.state_dict import install_state_dict_hooks
 from flatfsdp.engine.strategy import ShardingStrategy
+from flatfsdp.engine.tied_params import already_managed
 from flatfsdp.engine.unit_state import UnitState
 
 
@@ -84,11 +85,22 @@ def _owned_slots(module: nn.Module, exclude: frozenset[int]) -> list[ParamSlot]:
             fqn = f"{mod_name}.{attr}" if mod_name else attr
             if id(param) in taken_original:
                 raise _used_outside_its_unit(taken_original[id(param)], fqn)
+            if _storage_released(param):
+                # Its memory is a released gathered buffer: a unit sharded
+                # before (a sibling, so not found above) owns it.
+                raise already_managed(fqn, "a unit sharded earlier")
             entry = found.setdefault(id(param), (fqn, param, [], []))
             if not any(m is sub and a == attr for m, a in entry[2]):
                 entry[2].append((sub, attr))
                 entry[3].append(fqn)
     return [ParamSlot(fqn, param, tuple(locs), tuple(keys)) for fqn, param, locs, keys in found.values()]
+
+
+def _storage_released(param: nn.Parameter) -> bool:
+    if param.is_meta:
+        return False
+    needed = (param.storage_offset() + param.numel()) * param.element_size()
+    return param.numel() > 0 and param.untyped_storage().nbytes() < needed
 
 
 def _choose_placements(slots: list[ParamSlot], mesh: DeviceMesh, strategy: ShardingStrategy, shard_block,

@@ -29,14 +29,19 @@ def params_used_outside(unit: nn.Module, root: nn.Module) -> set[int]:
 
 
 def check_params_stay_in_units(root: nn.Module) -> None:
-    """Raise if a sharded unit's parameter is registered by a module outside that unit."""
+    """Raise if a parameter is managed by two sharded units, or if a sharded
+    unit's parameter is registered by a module outside that unit."""
     owner: dict[int, tuple[str, nn.Module]] = {}
+    original_owner: dict[int, str] = {}
     for name, module in root.named_modules():
         state = getattr(module, "_flatfsdp_state", None)
         if state is not None:
             for group in state.groups:
-                for param in group.sharded_params:
+                for slot, param in zip(group.slots, group.sharded_params):
                     owner[id(param)] = (name, module)
+                    first = original_owner.setdefault(id(slot.param), name)
+                    if first != name:
+                        raise already_managed(f"{name + '.' if name else ''}{slot.fqn}", first)
     if not owner:
         return
     for holder_name, holder in root.named_modules(remove_duplicate=False):
@@ -50,3 +55,11 @@ def check_params_stay_in_units(root: nn.Module) -> None:
                     f"'{unit_name or '<root>'}' but module '{holder_name}' outside that unit also uses it "
                     "(tied weights?). Shard a module that contains both users, or let the root own it "
                     "(the one-call fully_shard(model, ..., fsdp_unit_modules=...) does this for you).")
+
+
+def already_managed(fqn: str, owner: str) -> ValueError:
+    return ValueError(
+        f"parameter '{fqn}' is already managed by another sharded unit ('{owner or '<root>'}'): a parameter "
+        "shared by modules sharded separately (tied weights?) must belong to one unit that contains every "
+        "user of it. Shard a common parent instead, or let the root own it (the one-call "
+        "fully_shard(model, ..., fsdp_unit_modules=...) does this for you).")

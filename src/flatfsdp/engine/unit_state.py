@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_map
 
 from flatfsdp.engine import coalesce
 from flatfsdp.engine.coalesce import DEFAULT_BUCKET_BYTES
 from flatfsdp.engine.param_group import ParamGroup
 from flatfsdp.engine.precision import MixedPrecisionPolicy
 from flatfsdp.engine.root_context import RootContext
+from flatfsdp.engine.structures import map_tensors, replace_tensors, tensors_in
 from flatfsdp.engine.training_state import TrainingState
 
 
@@ -140,8 +140,8 @@ class UnitState:
                 context.reshard_all()  # no backward will: release prefetched units
             self.training_state = TrainingState.IDLE
         if grad:
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            for tensor in tensors_in(output):
+                if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward)
         if self.policy.output_dtype is not None:
             output = _cast_floating(output, self.policy.output_dtype)
@@ -246,16 +246,12 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def register(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        flat, spec = tree_flatten((args, kwargs))
-        index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not index:
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not inputs:
             return args, kwargs
-        outs = _PostBackward.apply(state, *(flat[i] for i in index))
+        outs = _PostBackward.apply(state, *inputs)
         outs = (outs,) if isinstance(outs, torch.Tensor) else outs
-        for i, out in zip(index, outs):
-            flat[i] = out
-        from torch.utils._pytree import tree_unflatten
-        return tree_unflatten(flat, spec)
+        return replace_tensors((args, kwargs), iter(outs), lambda t: t.requires_grad)
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -263,4 +259,4 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
             return x.to(dtype)
         return x
-    return tree_map(cast, tree)
+    return map_tensors(cast, tree)

@@ -43,11 +43,10 @@ def unsharded_chunk(unsharded: torch.Tensor, p: ParamLayout, rank: int) -> torch
     return full.narrow(p.shard_dim, p.chunk_start(rank), p.chunk_length(rank))
 
 
-def wire_slots(table: torch.Tensor, p: ParamLayout, offset: int = 0) -> torch.Tensor:
-    """``p``'s slot in every rank's row of a rank-major (W x row) wire table
-    whose group starts at column ``offset``: a (W, slot) view."""
-    start = offset + p.local_offset
-    return table[:, start:start + p.slot]
+def wire_slots(table: torch.Tensor, p: ParamLayout) -> torch.Tensor:
+    """``p``'s slot in every rank's row of a rank-major (W x row) wire table: a
+    (W, slot) view."""
+    return table[:, p.local_offset:p.local_offset + p.slot]
 
 
 def wire_table(wire: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
@@ -102,7 +101,7 @@ def grad_sources(grad: torch.Tensor, p: ParamLayout) -> list[torch.Tensor]:
 
 def grad_padding(wire: torch.Tensor, layout: GroupLayout, p: ParamLayout) -> list[torch.Tensor]:
     """The parts of ``p``'s slots no gradient element lands in (uneven chunks)."""
-    if p.shard_dim in (None,) or p.shard_dim > 0:
+    if p.shard_dim is None or p.shard_dim > 0:
         return []
     slots, full, out = wire_slots(wire_table(wire, layout), p), p.full_chunks, []
     first_empty = full
