@@ -9,6 +9,8 @@ schedule implies for this model's parameter counts.
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -97,10 +99,22 @@ def _fail_on_rank_one() -> None:
     dist.barrier()  # rank 0 would wait here forever if the launcher did not stop it
 
 
+def _killed_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would: no report
+    dist.barrier()
+
+
 def test_launch_returns_rank_zero_value_and_reports_failures():
     assert launch(_sum_ranks, 2, 10.0) == 21.0
     with pytest.raises(RankFailed, match="rank one gives up"):
         launch(_fail_on_rank_one, 2, timeout_s=120)
+
+
+def test_launch_reports_a_rank_killed_before_it_could_report():
+    # Before: NameError inside the launcher's own liveness check.
+    with pytest.raises(RankFailed, match=r"rank 1 ---\ndied with exit code -9"):
+        launch(_killed_on_rank_one, 2, timeout_s=120)
 
 
 def test_trace_shows_each_phase_of_the_schedule(tmp_path, capsys):

@@ -179,7 +179,7 @@ def _collect(procs: list, reports, timeout_s: float | None) -> bytes:
         try:
             rank, ok, data = reports.get(timeout=_POLL_S)
         except queue_module.Empty:
-            _check_alive(procs, pending)
+            _check_alive(procs, reports, pending)
             if deadline is not None and time.monotonic() > deadline:
                 raise RankFailed(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
             continue
@@ -191,7 +191,7 @@ def _collect(procs: list, reports, timeout_s: float | None) -> bytes:
     return payload
 
 
-def _check_alive(procs: list, pending: set) -> None:
+def _check_alive(procs: list, reports, pending: set) -> None:
     for rank in sorted(pending):
         code = procs[rank].exitcode
         # A clean exit (0) flushed its report into the queue first; the next get
