@@ -17,7 +17,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import flatfsdp
@@ -176,3 +177,54 @@ def test_block_aligned_shards_keep_blockwise_state_whole():
     assert out[True] < 2e-5, out
     # Straddling blocks get other scales, so other int8 codes: training drifts.
     assert out[False] > 20 * max(out[True], 1e-7), out
+
+
+# ---- tiles: a parameter whose rows would split tiles is chunked by columns ------------------
+
+class _Tiled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.Linear(32, 6)    # weight (6, 32): 3 rows a rank split 4-row tiles; 16 columns are 2 tiles
+        self.head = nn.Linear(6, 8)     # weight (8, 6): 4 rows a rank, whole tiles
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.wide(x)))
+
+
+def tiles_worker(rank, world):
+    out = {}
+    for strategy in ("optim", "optim_grads_params"):
+        for bf16 in (False, True):
+            torch.manual_seed(0)
+            ref = _Tiled()
+            model = _Tiled()
+            model.load_state_dict(ref.state_dict())
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            policy = flatfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the 1-D biases stay replicated, and say so
+                model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=[], zero_dp_strategy=strategy,
+                                                  shard_block=(4, 8), mixed_precision_policy=policy)
+            placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+            local_shape = tuple(model.wide.weight.to_local().shape)
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                x = torch.randn(2 * world, 32, generator=gen)
+                ref(x).square().mean().backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                model(x[rank * 2:(rank + 1) * 2]).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            distance = max_diff({n: p.full_tensor() for n, p in model.named_parameters()},
+                                {n: p.detach() for n, p in ref.named_parameters()})
+            out[(strategy, bf16)] = placements, local_shape, distance
+    return out
+
+
+def test_tiles_that_rows_would_split_are_chunked_by_columns():
+    for (strategy, bf16), (placements, local_shape, distance) in run_ranks(tiles_worker, 2)[0].items():
+        assert placements["wide.weight"] == (Shard(1),) and local_shape == (6, 16), (strategy, placements)
+        assert placements["head.weight"] == (Shard(0),), (strategy, placements)
+        assert distance < (2e-2 if bf16 else 1e-6), (strategy, bf16, distance)
