@@ -71,13 +71,12 @@ def _gather_bucket(members: list[GatherRequest], async_op: bool, stream: SideStr
     device = members[0].plan.unsharded.device
     packed = torch.empty(world, total, dtype=torch.uint8, device=device)
     for m, off, size in zip(members, offsets, sizes):
-        everything = list(range(len(m.plan.layout.params)))
-        m.plan.pack(packed[rank, off:off + size].view(m.plan.dtype), everything)
+        m.plan.pack(packed[rank, off:off + size].view(m.plan.dtype), m.plan.every)
     pending = collectives.all_gather(packed.view(-1), packed[rank], group, async_op, stream)
 
     def unpack() -> None:
         for m, off, size in zip(members, offsets, sizes):
-            m.plan.unpack(packed[:, off:off + size].view(m.plan.dtype), list(range(len(m.plan.layout.params))))
+            m.plan.unpack(packed[:, off:off + size].view(m.plan.dtype), m.plan.every)
             for callback in m.then:
                 callback()
     pending.then.append(unpack)

@@ -34,7 +34,8 @@ class GatherPlan:
         self.source_in_unsharded = source_in_unsharded
         self.source = source
         params = layout.params
-        self.staged = [i for i in range(len(params)) if i not in layout.direct]
+        self.every = list(range(len(params)))
+        self.staged = [i for i in self.every if i not in layout.direct]
         self.direct = list(layout.direct)
         # This rank's own (padded) slot of each direct parameter, and where every
         # rank's slot lands.

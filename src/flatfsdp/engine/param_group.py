@@ -133,10 +133,7 @@ class ParamGroup:
 
     def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's chunk of a full-size value of parameter ``index``."""
-        p = self.layout.params[index]
-        if p.shard_dim is None:
-            return full
-        return full.narrow(p.shard_dim, p.chunk_start(self.index), p.chunk_length(self.index))
+        return views.chunk_of(full, self.layout.params[index], self.index)
 
     def _fill_from_params(self) -> None:
         """Main weights straight from the original values (fp32 main weights keep

@@ -61,8 +61,7 @@ def _placed_like(value: torch.Tensor, sharded: DTensor, group, index: int) -> to
     if isinstance(value, DTensor):
         if value.device_mesh == sharded.device_mesh and value.placements == sharded.placements:
             return value
-        value = value.redistribute(sharded.device_mesh, sharded.placements)
-        return value
+        return value.redistribute(sharded.device_mesh, sharded.placements)
     chunk = group.own_chunk_of(value.detach(), index)
     chunk = chunk.to(device=sharded.device, dtype=sharded.dtype)
     return DTensor.from_local(chunk, sharded.device_mesh, sharded.placements, run_check=False,

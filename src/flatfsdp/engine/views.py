@@ -34,13 +34,17 @@ def unsharded_slot(unsharded: torch.Tensor, p: ParamLayout, rank: int) -> torch.
     return unsharded[start:start + p.slot]
 
 
-def unsharded_chunk(unsharded: torch.Tensor, p: ParamLayout, rank: int) -> torch.Tensor:
-    """``rank``'s chunk of ``p`` inside the unsharded buffer, at its true shape
-    (contiguous for dim 0, strided for other dimensions)."""
-    full = unsharded_param(unsharded, p)
+def chunk_of(full: torch.Tensor, p: ParamLayout, rank: int) -> torch.Tensor:
+    """``rank``'s chunk of a full-shape value of ``p`` (the whole of it when replicated)."""
     if p.shard_dim is None:
         return full
     return full.narrow(p.shard_dim, p.chunk_start(rank), p.chunk_length(rank))
+
+
+def unsharded_chunk(unsharded: torch.Tensor, p: ParamLayout, rank: int) -> torch.Tensor:
+    """``rank``'s chunk of ``p`` inside the unsharded buffer, at its true shape
+    (contiguous for dim 0, strided for other dimensions)."""
+    return chunk_of(unsharded_param(unsharded, p), p, rank)
 
 
 def wire_slots(table: torch.Tensor, p: ParamLayout) -> torch.Tensor:
