@@ -1,10 +1,10 @@
 """flatfsdp: fully sharded data parallelism over flat, zero-copy buffers."""
 
-from flatfsdp.engine import (CommAccount, FSDPModule, MixedPrecisionPolicy, ShardingStrategy,
+from flatfsdp.engine import (CommAccount, FSDPModule, UnshardHandle, register_fsdp_forward_method, MixedPrecisionPolicy, ShardingStrategy,
                              allocated_buffer_bytes, comm_account, fully_shard, fully_shard_model,
                              fully_shard_optimizer, persistent_buffer_bytes, reset_parameters)
 
 __all__ = [
-    "CommAccount", "FSDPModule", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
+    "CommAccount", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
     "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes", "reset_parameters",
 ]

@@ -59,7 +59,7 @@ def _phases(prof, path: str) -> dict:
     start = min(e.time_range.start for e in everything)
     end = max(e.time_range.end for e in everything)
     rows = sorted(((e.time_range.start - start) / 1e3, e.cpu_time_total / 1e3, e.name) for e in events)
-    waited = sum(ms for _, ms, name in rows if name in WAITS)
+    waited = sum(ms for _, ms, name in rows if name.split(" (")[0] in WAITS)
     return dict(trace=path, step_ms=(end - start) / 1e3, waited_ms=waited, rows=rows)
 
 

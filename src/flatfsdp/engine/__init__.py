@@ -7,7 +7,7 @@ enforces the layers drawn in docs/architecture.md.
 
 from flatfsdp.engine.api import fully_shard, fully_shard_model
 from flatfsdp.engine.comm_account import CommAccount, comm_account
-from flatfsdp.engine.fsdp_module import FSDPModule
+from flatfsdp.engine.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from flatfsdp.engine.memory import allocated_buffer_bytes, persistent_buffer_bytes
 from flatfsdp.engine.meta_init import reset_parameters
 from flatfsdp.engine.optimizer import fully_shard_optimizer
@@ -15,6 +15,6 @@ from flatfsdp.engine.precision import MixedPrecisionPolicy
 from flatfsdp.engine.strategy import ShardingStrategy
 
 __all__ = [
-    "CommAccount", "FSDPModule", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
+    "CommAccount", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
     "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes", "reset_parameters",
 ]

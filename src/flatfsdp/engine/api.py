@@ -3,12 +3,13 @@ over units, bottom-up, then the root."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from flatfsdp.engine.fsdp2_args import check_fsdp2_mesh, check_offload_policy, fsdp2_reshard_after_forward
 from flatfsdp.engine.layout import check_block
 from flatfsdp.engine.mesh import resolve_dp_mesh
 from flatfsdp.engine.optimizer import fully_shard_optimizer
@@ -27,10 +28,12 @@ _ACCEPTED_NO_OPS = {"overlap_grad_reduce", "overlap_param_gather", "preproc_stat
 _NOT_YET = {"dp_outer_dim", "tp_dim", "hybrid_fsdp_group", "expt_device_mesh", "outer_dp_sharding_strategy"}
 
 
-def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer | None = None, *,
                 mesh: DeviceMesh | None = None, device_mesh: DeviceMesh | None = None,
                 dp_shard_dim: str | None = None, fsdp_unit_modules: Iterable[type | str] | None = None,
-                zero_dp_strategy: ShardingStrategy | int | str = 3, reshard_after_forward: bool | None = None,
+                zero_dp_strategy: ShardingStrategy | int | str = 3, reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: Callable | None = None, offload_policy: Any = None,
+                ignored_params: set[nn.Parameter] | None = None,
                 mp_policy: Any = None, mixed_precision_policy: Any = None, sync_model_each_microbatch: bool = True,
                 calculate_per_token_loss: bool = False, grad_reduce_in_fp32: bool = False,
                 preserve_fp32_weights: bool = True, init_model_with_meta_device: bool = False,
@@ -44,6 +47,10 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
       (Megatron-FSDP style; without an optimizer it returns the model).
     * ``fully_shard(block, mesh=..., mp_policy=..., reshard_after_forward=...)`` shards
       one unit and returns it (PyTorch FSDP2 style; call bottom-up, then on the root).
+      A list of modules becomes one unit (gathered and reduced together).
+      ``shard_placement_fn``, ``offload_policy`` and ``ignored_params`` are
+      FSDP2's (see docs/fsdp2.md); an int ``reshard_after_forward`` is read as
+      FSDP2's: 1 keeps the weights gathered, any other size releases them.
 
     ``shard_block`` (B elements, or an (R, C) tile) keeps rank boundaries out of
     blocks, for block-wise optimizer state: see docs/placements.md.
@@ -53,10 +60,20 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs)
     options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed,
                    shard_block=_checked_block(shard_block))
+    ignored = frozenset(id(p) for p in ignored_params or ())
+    check_offload_policy(offload_policy, options["mesh"])
     if fsdp_unit_modules is None and optimizer is None:
-        shard_unit(module, reshard_after_forward=reshard_after_forward, **options)
+        reshard = fsdp2_reshard_after_forward(reshard_after_forward, options["mesh"])
+        shard_unit(module, reshard_after_forward=reshard, shard_placement_fn=shard_placement_fn,
+                   exclude=ignored, require_shardable=True, **options)
         return module
-    _shard_model(module, fsdp_unit_modules or (), reshard_after_forward, options)
+    if isinstance(module, (list, tuple)):
+        raise TypeError("a list of modules is sharded as one unit by the per-module form, "
+                        "fully_shard([m1, m2], mesh=...); the one-call form takes the model")
+    if shard_placement_fn is not None:
+        raise TypeError("shard_placement_fn belongs to the per-module form fully_shard(module, ...); "
+                        "the one-call form takes shard_block=")
+    _shard_model(module, fsdp_unit_modules or (), reshard_after_forward, options, ignored)
     if optimizer is None:
         return module
     return module, fully_shard_optimizer(optimizer, module)
@@ -83,7 +100,7 @@ def fully_shard_model(module: nn.Module, *, fsdp_unit_modules: Iterable[type | s
 
 
 def _shard_model(model: nn.Module, unit_entries: Iterable[type | str], reshard_after_forward: bool,
-                 options: dict) -> None:
+                 options: dict, ignored: frozenset[int] = frozenset()) -> None:
     classes = resolve_unit_classes(unit_entries, model)
     names = {id(m): n for n, m in model.named_modules()}
     units = [m for m in model.modules() if m is not model and classes and isinstance(m, classes)]
@@ -91,8 +108,8 @@ def _shard_model(model: nn.Module, unit_entries: Iterable[type | str], reshard_a
     # a parameter also used outside a unit (tied weights) is left to an outer one.
     for unit in reversed(units):
         shard_unit(unit, reshard_after_forward=reshard_after_forward, name=names[id(unit)],
-                   exclude=frozenset(params_used_outside(unit, model)), **options)
-    shard_unit(model, reshard_after_forward=reshard_after_forward, name="<root>", **options)
+                   exclude=frozenset(params_used_outside(unit, model)) | ignored, **options)
+    shard_unit(model, reshard_after_forward=reshard_after_forward, name="<root>", exclude=ignored, **options)
 
 
 def _checked_block(block):
@@ -111,6 +128,7 @@ def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed
         raise NotImplementedError(f"{requested} (hybrid / tensor / expert parallel meshes) are not supported yet")
     if mesh is not None and device_mesh is not None and mesh is not device_mesh:
         raise ValueError("pass the mesh as either mesh= or device_mesh=, not two different meshes")
+    check_fsdp2_mesh(mesh)
     if mp_policy is not None and mixed_precision_policy is not None:
         raise ValueError("pass the policy as either mp_policy= or mixed_precision_policy=, not both")
     return dict(

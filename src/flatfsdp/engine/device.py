@@ -53,6 +53,14 @@ class SideStream:
         return result, event
 
 
+    def wait_for(self, event: "torch.Event | None") -> None:
+        """Work launched here from now on waits for ``event`` (e.g. the end of
+        an optimizer step run on another stream). On CPU work is ordered by the
+        host already."""
+        if self.stream is not None and event is not None:
+            self.stream.wait_event(event)
+
+
 def wait_event(event: "torch.Event | None") -> None:
     """Make the compute stream wait for side-stream work (no host block)."""
     if event is not None:

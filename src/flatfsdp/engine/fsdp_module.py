@@ -1,33 +1,92 @@
 """The class a sharded module becomes: its own class plus FSDP controls, as in
-PyTorch FSDP2, so ``isinstance`` checks and the module's behaviour survive."""
+PyTorch FSDP2, so ``isinstance`` checks and the module's behaviour survive.
+
+Every ``set_*`` method writes one field of the unit's ``UnitControls`` (see
+unit_controls.py for what each means); the runtime reads them."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+from flatfsdp.engine.conversion import adopt_converted
 from flatfsdp.engine.unit_state import UnitState
 
 _CLASS_CACHE: dict[type, type] = {}
 
 
-class FSDPModule:
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` blocks until the
+    gathered weights may be used (the module's forward waits by itself)."""
+
+    def __init__(self, state: UnitState | None):
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None:
+            self._state.wait_unshard()
+            self._state = None
+
+
+class FSDPModule(TorchFSDPModule):
     """Mixin added to every sharded unit's class. Methods act on this unit and,
-    where they take ``recurse``, on the sharded units below it."""
+    where they take ``recurse``, on the sharded units below it.
+
+    It subclasses torch's ``FSDPModule``, so code that asks
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` -- torch's pipeline
+    schedules, ``register_fsdp_forward_method``, user loops -- treats a
+    flatfsdp unit as the FSDP2 unit it replaces; every method torch's class
+    has is implemented here on this engine."""
 
     _flatfsdp_state: UnitState
+    _orig_cls_mro_index = 3  # FSDP<Class>, this class, torch's FSDPModule, Class
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Gather this unit's parameters now (e.g. before calling a method other than forward)."""
-        self._flatfsdp_state.unshard(async_op=async_op)
-        if not async_op:
-            self._flatfsdp_state.wait_unshard()
+    def _get_fsdp_state(self) -> "Fsdp2StateView":
+        """What torch's helpers (``register_fsdp_forward_method``) call into."""
+        return Fsdp2StateView(self._flatfsdp_state)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(dtype / device)``, ``.to_empty()``, ``.double()``: convert the
+        sharded parameters and keep them sharded (see conversion.py)."""
+        state = self._flatfsdp_state
+        state.reshard()
+        ret = super(TorchFSDPModule, self)._apply(fn, recurse)  # past torch's FSDP2 version
+        adopt_converted(state, self)
+        return ret
+
+    # ---- gather / release ---------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this unit's parameters now (e.g. before calling a method other
+        than forward). ``async_op=True`` returns a handle to wait on."""
+        state = self._flatfsdp_state
+        state.unshard(async_op=async_op)
+        if async_op:
+            return UnshardHandle(state)
+        state.wait_unshard()
+        return None
 
     def reshard(self) -> None:
         """Release the gathered parameters; the module shows its sharded DTensors again."""
         self._flatfsdp_state.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After an exception cut a forward or backward short: forget that step
+        (called on the root)."""
+        state = self._flatfsdp_state
+        if state.context is not None and not state.is_root:
+            raise RuntimeError(f"reset_iter_state() must be called on the root sharded module, not on "
+                               f"'{state.path}' ({type(self).__name__})")
+        if state.context is not None:
+            state.context.reset_iter_state()
+
+    # ---- gradient synchronisation ------------------------------------------------------
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates unsharded gradients locally and communicates
@@ -35,13 +94,17 @@ class FSDPModule:
         for state in self._states(recurse):
             state.requires_grad_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | None, *, recurse: bool = True) -> None:
-        """False keeps the unit gathered from its forward to its backward: one
-        all-gather fewer per step, its full weights held meanwhile. True always
-        releases. None (the default): release, except the unit that runs last
-        in forward, whose backward follows at once."""
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Hybrid meshes: whether gradients are all-reduced across replicas (a
+        1-D mesh has none, so this changes nothing there)."""
         for state in self._states(recurse):
-            state.reshard_after_forward = reshard_after_forward
+            state.controls.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: more microbatches follow before the optimizer step, so the
+        backward's end does not wait for its gradient reductions."""
+        for state in self._states(True):
+            state.controls.is_last_backward = is_last_backward
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -63,14 +126,142 @@ class FSDPModule:
         if context is not None:
             context.wait_reductions()
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide summed gradients by ``factor`` instead of the data-parallel size."""
+        if not factor > 0:
+            raise ValueError(f"the gradient divide factor must be positive, got {factor!r}")
+        for state in self._states(True):
+            state.controls.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Old name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook`` on each reduced gradient shard (flat, this rank's
+        part) once it lands; it may modify it in place."""
+        for state in self._states(True):
+            state.controls.all_reduce_hook = hook
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reductions may be in flight at once (each holds an
+        unsharded gradient buffer); the largest value of any unit applies."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for state in self._states(recurse):
+            state.controls.reduce_scatter_max_input_buffers = max_input_buffers
+            if state.context is not None:
+                state.context.reductions.max_in_flight = max(state.context.reductions.max_in_flight,
+                                                             max_input_buffers)
+
+    # ---- when weights are gathered and released ---------------------------------------
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | None, *, recurse: bool = True) -> None:
+        """False keeps the unit gathered from its forward to its backward: one
+        all-gather fewer per step, its full weights held meanwhile. True always
+        releases (the root too). None (the default): release, except the root
+        and the unit that runs last in forward, whose backward follows at once."""
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for state in self._states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False keeps the weights gathered after backward (gradient
+        accumulation: the next microbatch's forward needs no all-gather)."""
+        for state in self._states(recurse):
+            state.controls.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this unit's backward does not need its weights (it is not
+        gathered for it)."""
+        self._flatfsdp_state.controls.unshard_in_backward = unshard_in_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start gathering these units when this one's forward starts (instead
+        of the next one in the recorded order)."""
+        self._flatfsdp_state.controls.forward_prefetch = _states_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start gathering these units when this one's backward starts (instead
+        of the previous one in forward order)."""
+        self._flatfsdp_state.controls.backward_prefetch = _states_of(modules)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next gather of this unit waits for ``event`` (recorded at the
+        end of an optimizer step run on another stream) instead of the whole
+        compute stream."""
+        self._flatfsdp_state.controls.post_optim_event = event
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        for state in self._states(True):
+            state.controls.unshard_async_op = async_op
+
     def _states(self, recurse: bool) -> Iterator[UnitState]:
         if not recurse:
             yield self._flatfsdp_state
             return
+        seen = set()
         for module in self.modules():  # type: ignore[attr-defined]
             state = getattr(module, "_flatfsdp_state", None)
-            if state is not None:
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
                 yield state
+
+
+class Fsdp2StateView:
+    """The few members of FSDP2's per-module state that torch's public helpers
+    use, answered by this engine's unit."""
+
+    def __init__(self, state: UnitState):
+        self._state = state
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self._state._pre_forward(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self._state._post_forward(module, args, {}, output)
+
+    @property
+    def _fsdp_param_groups(self) -> list:
+        return self._state.groups
+
+    @property
+    def _fsdp_param_group(self):
+        return self._state.groups[0] if self._state.groups else None
+
+
+def _states_of(modules: list) -> list[UnitState]:
+    bad = [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]
+    if bad:
+        raise ValueError(f"prefetch lists take sharded modules (FSDPModule), got {bad}")
+    return [m._flatfsdp_state for m in modules]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` gather and release like ``forward``
+    (e.g. ``generate`` or a VAE's ``encode``). A no-op on a plain module."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    method = getattr(module, method_name)
+    if getattr(method, "_flatfsdp_wrapped", False):
+        return
+    state = module._flatfsdp_state
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        out = method(*args, **kwargs)
+        return state._post_forward(module, args, kwargs, out)
+
+    wrapped._flatfsdp_wrapped = True
+    # The instance attribute shadows the class's method for this module only,
+    # as the user asked; the class is untouched.
+    setattr(module, method_name, wrapped)
 
 
 def become_fsdp_module(module: nn.Module, state: UnitState) -> None:

@@ -49,20 +49,21 @@ def _require_reset(module: nn.Module, name: str) -> None:
                          "but no reset_parameters() to initialise them: give it one, or build it on a real device")
 
 
-def materialize_meta(unit: nn.Module, slots: list, device: torch.device,
-                     replaced: dict) -> list[tuple[str, nn.Module]]:
+def materialize_meta(units: list[nn.Module], slots: list, device: torch.device,
+                     replaced: dict) -> list[tuple[int, str, nn.Module]]:
     """Give the unit's meta parameters real (uninitialised) storage, keeping
-    ties, and return the modules to initialise later, in module order.
+    ties, and return the modules to initialise later, in module order, each
+    with the index of the unit module it is under and its path there.
     ``replaced`` collects new parameter -> the meta one it replaces (an
     optimizer built on the meta model still names the old objects)."""
     meta = {id(s.param) for s in slots if s.param.is_meta}
     if not meta:
         return []
     pending = []
-    for name, module in unit.named_modules():
+    for index, name, module in ((i, n, m) for i, unit in enumerate(units) for n, m in unit.named_modules()):
         if any(id(p) in meta for p in module._parameters.values() if p is not None):
             _require_reset(module, name)
-            pending.append((name, module))
+            pending.append((index, name, module))
             for key, buf in module._buffers.items():
                 if buf is not None and buf.is_meta:
                     module._buffers[key] = torch.empty_like(buf, device=device)
@@ -92,8 +93,8 @@ def initialize_pending(state) -> None:
         group.use_unsharded_params()
         temps.append(temp)
     with torch.no_grad():
-        for path, module in pending:
-            seeded_reset(module, state.init_seed, _model_name(state.path, path))
+        for index, path, module in pending:
+            seeded_reset(module, state.init_seed, _model_name(state.paths[index], path))
         for group, temp, old in zip(state.groups, temps, saved):
             for index, (p, param) in enumerate(zip(group.layout.params, group.params)):
                 group.main_chunk(index).copy_(group.own_chunk_of(views.unsharded_param(temp, p), index))

@@ -51,15 +51,18 @@ class ParamSlot:
     fqn: str
     param: nn.Parameter
     locations: tuple[tuple[nn.Module, str], ...]
-    keys: tuple[str, ...] = ()
-    """The state-dict key of every location, relative to the unit."""
+    keys: tuple[tuple[int, str], ...] = ()
+    """The state-dict key of every location: (which of the unit's modules it
+    is under, the key relative to that module)."""
     shard_dim: int | None = 0
     """The dimension chunked across ranks (None: replicated)."""
 
 
 class ParamGroup:
     def __init__(self, slots: list[ParamSlot], *, placement: GroupPlacement, policy: MixedPrecisionPolicy,
-                 device: torch.device):
+                 device: torch.device, fill: bool = True):
+        """``fill=False``: the caller writes the main weights' chunks itself
+        (the parameters' values are not read)."""
         self.slots = slots
         self.params = [s.param for s in slots]
         self.placement = placement
@@ -87,7 +90,8 @@ class ParamGroup:
         self._inflight: ReduceRequest | None = None
         self._used = [False] * len(self.params)
         self._allocate(device)
-        self._fill_from_params()
+        if fill:
+            self._fill_from_params()
         self._make_views()
 
     # ---- construction -------------------------------------------------------------------
@@ -171,6 +175,17 @@ class ParamGroup:
         if not self.placement.keep_model_weights:
             self.unsharded.free()
 
+    def refresh_views(self) -> None:
+        """Make the existing sharded parameter objects view this group's main
+        weights again (torch's conversions swap a DTensor parameter's contents
+        for the converted copy; swap ours back in, keeping the objects)."""
+        for index, (p, sharded) in enumerate(zip(self.layout.params, self.sharded_params)):
+            placements = self.placement.dtensor_placements(p)
+            local = DTensor.from_local(self.main_chunk(index), self.mesh, placements, run_check=False,
+                                       shape=torch.Size(p.shape), stride=_contiguous_strides(p.shape))
+            sharded.grad = None
+            torch.utils.swap_tensors(sharded, nn.Parameter(local, requires_grad=sharded.requires_grad))
+
     # ---- weights ------------------------------------------------------------------------
 
     @property
@@ -238,9 +253,22 @@ class ParamGroup:
             self.unsharded.free()
 
     def use_unsharded_params(self) -> None:
-        for slot in self.slots:
+        for slot, sharded in zip(self.slots, self.sharded_params):
+            if slot.param.requires_grad != sharded.requires_grad:
+                self._follow_requires_grad(slot, sharded)
             for module, attr in slot.locations:
                 module._parameters[attr] = slot.param
+
+    def _follow_requires_grad(self, slot: ParamSlot, sharded: nn.Parameter) -> None:
+        """The user (un)froze the sharded parameter after sharding: the
+        parameter the module computes with follows, so autograd makes (or
+        skips) its gradient. A group frozen when sharded has no gradient
+        buffers, so unfreezing it is refused rather than silently not trained."""
+        if sharded.requires_grad and not self.trainable:
+            raise ValueError(f"parameter '{slot.fqn}' was frozen (requires_grad=False) when it was sharded and has "
+                             "been unfrozen since: set requires_grad before fully_shard, so that gradient "
+                             "buffers exist for it")
+        slot.param.requires_grad_(sharded.requires_grad)
 
     def use_sharded_params(self) -> None:
         for slot, sharded in zip(self.slots, self.sharded_params):
@@ -311,7 +339,8 @@ class ParamGroup:
     def _main_grad_has_data(self) -> bool:
         return any(sp.grad is not None for sp in self.sharded_params)
 
-    def reduction_request(self, average: bool) -> ReduceRequest | None:
+    def reduction_request(self, average: bool, divide_factor: float | None = None,
+                          hook=None) -> ReduceRequest | None:
         """Hand over the accumulated local gradients for reduction into the main
         grads (summing into what the optimizer has not consumed yet, as autograd
         would). The request is issued by the caller, perhaps coalesced."""
@@ -321,7 +350,10 @@ class ParamGroup:
         self._accum = None
         if self._main_grad_buffer is not None:
             self._main_grad_buffer.alloc()  # no-op unless released since the last step
-        scale = 1.0 / self.pg.size() if average else 1.0
+        if divide_factor is not None:
+            scale = 1.0 / divide_factor
+        else:
+            scale = 1.0 / self.pg.size() if average else 1.0
         if not self.placement.sharded:
             request = ReduceRequest("all_reduce", accum.data, accum.data, self.pg)
         else:
@@ -330,6 +362,8 @@ class ParamGroup:
                 self.layout.shard_numel, dtype=self.reduce_dtype, device=self.main_grad.device)
             request = ReduceRequest("reduce_scatter", accum.data, result, self.pg)
         request.then.append(lambda: self._finish_reduction(accum, request.output, has_data, scale))
+        if hook is not None:
+            request.then.append(lambda: hook(self.main_grad))
         self._inflight = request
         return request
 

@@ -27,9 +27,12 @@ class MixedPrecisionPolicy:
         return self.param_dtype or original
 
     def main_dtype(self, original: torch.dtype) -> torch.dtype:
+        """Never below the parameter's own precision: fp64 weights keep fp64
+        main weights (and optimizer state)."""
         if not original.is_floating_point:
             return original
-        return self.main_params_dtype or original
+        main = self.main_params_dtype or original
+        return original if torch.finfo(original).bits > torch.finfo(main).bits else main
 
     def grad_reduce_dtype(self, original: torch.dtype) -> torch.dtype:
         return self.reduce_dtype or self.compute_dtype(original)

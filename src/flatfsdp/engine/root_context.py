@@ -32,13 +32,15 @@ class RootContext:
         self.states = states
         self.in_backward = False
         self.training_forward = False
+        self.root_forward_running = False
         self.sync_each_microbatch = root.sync_each_microbatch
         self.prefetch_bytes = root.prefetch_bytes
         device = _device_of(states)
         self._on_host = device.type == "cpu"
         # Two streams so a gradient reduction never queues behind a prefetch.
         self.gather_stream = SideStream(device)
-        self.reductions = ReductionQueue(bucket_bytes=root.bucket_bytes, max_in_flight=MAX_REDUCTIONS_IN_FLIGHT,
+        in_flight = max([MAX_REDUCTIONS_IN_FLIGHT] + [s.controls.reduce_scatter_max_input_buffers for s in states])
+        self.reductions = ReductionQueue(bucket_bytes=root.bucket_bytes, max_in_flight=in_flight,
                                          stream=SideStream(device))
         # Units in the order their forwards ran: this step's (for backward
         # prefetch) and the last complete step's (for forward prefetch).
@@ -68,10 +70,11 @@ class RootContext:
             for state in reversed(self.states):
                 if state.needs_post_backward():
                     state.post_backward()
-            if self.sync_each_microbatch or not self._bound_optimizers_wait():
+            if self.root.controls.is_last_backward and (self.sync_each_microbatch or not self._bound_optimizers_wait()):
                 self.wait_reductions()
             for state in self.states:
-                state.reshard()
+                if state.controls.reshard_after_backward:
+                    state.reshard()
                 state.training_state = TrainingState.IDLE
             self.in_backward = False
 
@@ -81,6 +84,25 @@ class RootContext:
         they may land while the host moves on. Otherwise an optimizer the engine
         does not know could step before they land: wait now."""
         return all(len(g.bound_optimizers) for s in self.states for g in s.groups if g.reduction_in_flight)
+
+    def after_root_forward(self) -> None:
+        """The root's forward returned: grouped units some of whose modules did
+        not run finish now; without a backward to follow, release everything."""
+        self.root_forward_running = False
+        for state in self.states:
+            if state._forwarded:
+                state.finish_forward(self)
+        if not self.training_forward:
+            self.reshard_all()  # no backward will: release prefetched units
+
+    def reset_iter_state(self) -> None:
+        """Forget a step cut short by an exception: release every unit and
+        return to idle, so the next forward starts clean."""
+        self.root_forward_running = self.in_backward = False
+        for state in self.states:
+            state._forwarded.clear()
+            state.reshard()
+            state.training_state = TrainingState.IDLE
 
     def before_root_forward(self) -> None:
         """A new forward: reductions left running by an unsynced step land

@@ -9,6 +9,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from flatfsdp.engine.coalesce import DEFAULT_BUCKET_BYTES
 from flatfsdp.engine.fsdp_module import FSDPModule, become_fsdp_module
@@ -24,36 +25,70 @@ from flatfsdp.engine.tied_params import already_managed
 from flatfsdp.engine.unit_state import UnitState
 
 
-def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
-               reshard_after_forward: bool | None = None, average_grads: bool = True, sync_each_microbatch: bool = True,
-               exclude: frozenset[int] = frozenset(), name: str = "", prefetch_bytes: int | None = None,
-               bucket_bytes: int | None = None, meta_init_seed: int | None = None,
-               shard_block=None) -> UnitState:
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"module '{name or type(module).__name__}' ({type(module).__name__}) is already sharded; "
-                         "call fully_shard once per module")
-    slots = _owned_slots(module, exclude)
-    slots = _choose_placements(slots, mesh, strategy, shard_block, name or type(module).__name__)
+def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DeviceMesh, strategy: ShardingStrategy,
+               policy: MixedPrecisionPolicy, reshard_after_forward: bool | None = None, average_grads: bool = True,
+               sync_each_microbatch: bool = True, exclude: frozenset[int] = frozenset(), name: str = "",
+               prefetch_bytes: int | None = None, bucket_bytes: int | None = None,
+               meta_init_seed: int | None = None, shard_block=None, shard_placement_fn=None,
+               require_shardable: bool = False) -> UnitState:
+    """Shard one unit: a module, or several modules that run as one (a list).
+
+    ``shard_placement_fn(param) -> Shard(dim) | None`` picks each parameter's
+    dimension (FSDP2's argument); ``require_shardable`` refuses scalar and
+    non-contiguous parameters as FSDP2 does instead of replicating them."""
+    units = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    label = name or ", ".join(type(m).__name__ for m in units)
+    _check_units(units, label)
+    slots = _owned_slots(units, exclude)
+    if require_shardable:
+        _refuse_unshardable(slots, label)
+    slots = _choose_placements(slots, mesh, strategy, shard_block, shard_placement_fn, label)
     device = mesh_device(mesh)
     meta_originals: dict = {}
-    pending_init = materialize_meta(module, slots, device, meta_originals)
+    pending_init = materialize_meta(units, slots, device, meta_originals)
     groups = []
     for (_dtype, _grad, replicated), members in _group(slots).items():
         placement = GroupPlacement.resolve(strategy, mesh, replicate=replicated)
         groups.append(ParamGroup(members, placement=placement, policy=policy, device=device))
     for group in groups:
         group.use_sharded_params()
-    state = UnitState(module, groups, policy=policy, reshard_after_forward=reshard_after_forward,
+    state = UnitState(units, groups, policy=policy, reshard_after_forward=reshard_after_forward,
                       average_grads=average_grads, sync_each_microbatch=sync_each_microbatch,
                       prefetch_bytes=prefetch_bytes,
                       bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else _checked_bucket(bucket_bytes))
     state.pending_init = pending_init
     state.meta_originals = meta_originals
     state.init_seed = torch.initial_seed() if meta_init_seed is None else meta_init_seed
-    become_fsdp_module(module, state)
-    install_state_dict_hooks(module)
-    _name_units_under(module)
+    for index, module in enumerate(units):
+        become_fsdp_module(module, state)
+        install_state_dict_hooks(module, index)
+    for module in units:
+        _name_units_under(module)
     return state
+
+
+def _check_units(units: list[nn.Module], label: str) -> None:
+    if not units:
+        raise ValueError("fully_shard got an empty list of modules")
+    for module in units:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(module).__name__}")
+        if isinstance(module, FSDPModule):
+            raise ValueError(f"module '{label}' ({type(module).__name__}) is already sharded; "
+                             "call fully_shard once per module")
+    if len({id(m) for m in units}) != len(units):
+        raise ValueError(f"fully_shard([...]) got the same module twice ({label})")
+
+
+def _refuse_unshardable(slots: list[ParamSlot], unit: str) -> None:
+    for slot in slots:
+        if slot.param.dim() == 0:
+            raise ValueError(f"unit '{unit}': parameter '{slot.fqn}' is a scalar, which cannot be sharded. "
+                             f"Change {slot.fqn.rsplit('.', 1)[-1]} to a 1D tensor with numel equal to 1.")
+        if not slot.param.is_meta and not slot.param.is_contiguous():
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters yet: unit '{unit}', parameter '{slot.fqn}' "
+                f"(shape {tuple(slot.param.shape)}, stride {slot.param.stride()}); make it contiguous first")
 
 
 def _checked_bucket(bucket_bytes: int) -> int:
@@ -63,36 +98,41 @@ def _checked_bucket(bucket_bytes: int) -> int:
 
 
 def _name_units_under(module: nn.Module) -> None:
-    """Record every unit's path from ``module``; the outermost call (the root)
-    has the last word, so paths end up as the unsharded model's names."""
+    """Record every unit module's path from ``module``; the outermost call (the
+    root) has the last word, so paths end up as the unsharded model's names."""
     for path, sub in module.named_modules():
         if isinstance(sub, FSDPModule):
-            sub._flatfsdp_state.path = path
+            state = sub._flatfsdp_state
+            state.paths[state.index_of(sub)] = path
 
 
-def _owned_slots(module: nn.Module, exclude: frozenset[int]) -> list[ParamSlot]:
-    """Parameters in the subtree not owned by a unit below nor excluded, each
-    with every place it is registered."""
-    inner = {path: sub._flatfsdp_state for path, sub in module.named_modules()
-             if isinstance(sub, FSDPModule) and sub is not module}
+def _owned_slots(units: list[nn.Module], exclude: frozenset[int]) -> list[ParamSlot]:
+    """Parameters in the units' subtrees not owned by a unit below nor
+    excluded, each with every place it is registered and its state-dict key
+    under each unit module (``(module index, key)``)."""
+    grouped = len(units) > 1
+    inner = {f"[{i}].{path}" if grouped else path: sub._flatfsdp_state for i, unit in enumerate(units)
+             for path, sub in unit.named_modules() if isinstance(sub, FSDPModule) and sub is not unit}
     taken_sharded = {id(sp) for s in inner.values() for g in s.groups for sp in g.sharded_params}
     taken_original = {id(p): path for path, s in inner.items() for g in s.groups for p in g.params}
     found: OrderedDict[int, tuple[str, nn.Parameter, list, list]] = OrderedDict()
-    for mod_name, sub in module.named_modules(remove_duplicate=False):
-        for attr, param in sub._parameters.items():
-            if param is None or id(param) in exclude or id(param) in taken_sharded:
-                continue
-            fqn = f"{mod_name}.{attr}" if mod_name else attr
-            if id(param) in taken_original:
-                raise _used_outside_its_unit(taken_original[id(param)], fqn)
-            if _storage_released(param):
-                # Its memory is a released gathered buffer: a unit sharded
-                # before (a sibling, so not found above) owns it.
-                raise already_managed(fqn, "a unit sharded earlier")
-            entry = found.setdefault(id(param), (fqn, param, [], []))
-            if not any(m is sub and a == attr for m, a in entry[2]):
-                entry[2].append((sub, attr))
-                entry[3].append(fqn)
+    for index, unit in enumerate(units):
+        for mod_name, sub in unit.named_modules(remove_duplicate=False):
+            for attr, param in sub._parameters.items():
+                if param is None or id(param) in exclude or id(param) in taken_sharded:
+                    continue
+                key = f"{mod_name}.{attr}" if mod_name else attr
+                fqn = f"[{index}].{key}" if grouped else key
+                if id(param) in taken_original:
+                    raise _used_outside_its_unit(taken_original[id(param)], fqn)
+                if _storage_released(param):
+                    # Its memory is a released gathered buffer: a unit sharded
+                    # before (a sibling, so not found above) owns it.
+                    raise already_managed(fqn, "a unit sharded earlier")
+                entry = found.setdefault(id(param), (fqn, param, [], []))
+                if not any(m is sub and a == attr for m, a in entry[2]):
+                    entry[2].append((sub, attr))
+                    entry[3].append((index, key))
     return [ParamSlot(fqn, param, tuple(locs), tuple(keys)) for fqn, param, locs, keys in found.values()]
 
 
@@ -104,14 +144,18 @@ def _storage_released(param: nn.Parameter) -> bool:
 
 
 def _choose_placements(slots: list[ParamSlot], mesh: DeviceMesh, strategy: ShardingStrategy, shard_block,
-                       unit: str) -> list[ParamSlot]:
+                       placement_fn, unit: str) -> list[ParamSlot]:
     """Which dimension each parameter is chunked on (None: replicated)."""
     if strategy == ShardingStrategy.NO_SHARD:
         return [_with_dim(s, None) for s in slots]
+    if placement_fn is not None and shard_block is not None:
+        raise ValueError(f"unit '{unit}': pass shard_placement_fn or shard_block, not both")
     world = mesh.size()
     out, kept_whole = [], []
     for slot in slots:
-        dim = shard_dim_for(tuple(slot.param.shape), world, shard_block)
+        dim = _chosen_dim(placement_fn, slot, world, unit) if placement_fn is not None else None
+        if dim is None:
+            dim = shard_dim_for(tuple(slot.param.shape), world, shard_block)
         if dim is None and slot.param.dim() > 0:
             kept_whole.append(f"{slot.fqn} {tuple(slot.param.shape)}")
         out.append(_with_dim(slot, dim))
@@ -120,6 +164,31 @@ def _choose_placements(slots: list[ParamSlot], mesh: DeviceMesh, strategy: Shard
                       f"shard_block={shard_block} blocks; these stay replicated (gradients all-reduced)",
                       stacklevel=4)
     return out
+
+
+def _chosen_dim(placement_fn, slot: ParamSlot, world: int, unit: str) -> int | None:
+    """The dimension ``shard_placement_fn`` asks for (None: the default)."""
+    choice = placement_fn(slot.param)
+    if choice is None:
+        return None
+    if not isinstance(choice, Shard):
+        raise TypeError(f"unit '{unit}': shard_placement_fn returned {choice!r} for '{slot.fqn}'; "
+                        "expected Shard(dim) or None")
+    ndim = slot.param.dim()
+    dim = choice.dim + ndim if choice.dim < 0 else choice.dim
+    if not 0 <= dim < max(ndim, 1):
+        raise PlacementError(f"Shard dim {choice.dim} is invalid for {ndim}D tensor: unit '{unit}', parameter "
+                             f"'{slot.fqn}' of shape {tuple(slot.param.shape)}")
+    if dim > 0 and slot.param.shape[dim] % world:
+        raise PlacementError(f"unit '{unit}': parameter '{slot.fqn}' of shape {tuple(slot.param.shape)} is asked to "
+                             f"shard on dim {dim}, whose size does not split evenly over {world} ranks "
+                             "(only dim 0 may be chunked unevenly)")
+    return dim
+
+
+class PlacementError(ValueError, AssertionError):
+    """A shard placement that cannot hold the parameter. (Also an
+    AssertionError: FSDP2 raises one here, and code written for it catches that.)"""
 
 
 def _with_dim(slot: ParamSlot, dim: int | None) -> ParamSlot:

@@ -13,6 +13,7 @@ is copied; no collective).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -20,37 +21,43 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def install_state_dict_hooks(module: nn.Module) -> None:
+def install_state_dict_hooks(module: nn.Module, index: int = 0) -> None:
+    """``index``: which module of its unit this is (a unit sharded as a list
+    of modules has a hook on each, each seeing the keys under itself)."""
     module.register_state_dict_pre_hook(_before_state_dict)
-    module.register_state_dict_post_hook(_sharded_values)
-    module.register_load_state_dict_pre_hook(_to_local_placements)
+    module.register_state_dict_post_hook(functools.partial(_sharded_values, index=index))
+    module.register_load_state_dict_pre_hook(functools.partial(_to_local_placements, index=index))
     module.register_load_state_dict_post_hook(_note_loaded)
+
+
+def _keys(slot, index: int) -> list[str]:
+    return [key for i, key in slot.keys if i == index]
 
 
 def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     module._flatfsdp_state.ensure_initialized()
 
 
-def _sharded_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+def _sharded_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, *, index: int) -> None:
     """Between steps the module holds the sharded parameters already; while it
     computes (inside forward) it holds the gathered ones -- report the sharded
     ones either way."""
     for group in module._flatfsdp_state.groups:
         for slot, sharded in zip(group.slots, group.sharded_params):
-            for key in slot.keys:
+            for key in _keys(slot, index):
                 if prefix + key in state_dict:
                     state_dict[prefix + key] = sharded.detach()
 
 
 def _to_local_placements(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
-                         missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+                         missing_keys: list, unexpected_keys: list, error_msgs: list, *, index: int) -> None:
     """Turn each incoming value into a DTensor placed like the parameter, so
     torch's own copy (and its key and shape checks) does the rest."""
     state = module._flatfsdp_state
     state.ensure_initialized()
     for group in state.groups:
         for index, (slot, sharded) in enumerate(zip(group.slots, group.sharded_params)):
-            for key in (prefix + k for k in slot.keys if prefix + k in state_dict):
+            for key in (prefix + k for k in _keys(slot, index) if prefix + k in state_dict):
                 value = state_dict[key]
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
                     state_dict[key] = _placed_like(value, sharded, group, index)

@@ -31,28 +31,31 @@ def params_used_outside(unit: nn.Module, root: nn.Module) -> set[int]:
 def check_params_stay_in_units(root: nn.Module) -> None:
     """Raise if a parameter is managed by two sharded units, or if a sharded
     unit's parameter is registered by a module outside that unit."""
-    owner: dict[int, tuple[str, nn.Module]] = {}
+    owner: dict[int, object] = {}
     original_owner: dict[int, str] = {}
-    for name, module in root.named_modules():
+    states = {}
+    for module in root.modules():
         state = getattr(module, "_flatfsdp_state", None)
         if state is not None:
-            for group in state.groups:
-                for slot, param in zip(group.slots, group.sharded_params):
-                    owner[id(param)] = (name, module)
-                    first = original_owner.setdefault(id(slot.param), name)
-                    if first != name:
-                        raise already_managed(f"{name + '.' if name else ''}{slot.fqn}", first)
+            states.setdefault(id(state), state)
+    for state in states.values():
+        for group in state.groups:
+            for slot, param in zip(group.slots, group.sharded_params):
+                owner[id(param)] = state
+                first = original_owner.setdefault(id(slot.param), state.path)
+                if first != state.path:
+                    raise already_managed(f"{state.path + '.' if state.path else ''}{slot.fqn}", first)
     if not owner:
         return
     for holder_name, holder in root.named_modules(remove_duplicate=False):
         for attr, param in holder._parameters.items():
             if param is None or id(param) not in owner:
                 continue
-            unit_name, unit = owner[id(param)]
-            if not any(m is holder for m in unit.modules()):
+            state = owner[id(param)]
+            if not any(m is holder for unit in state.modules for m in unit.modules()):
                 raise ValueError(
                     f"parameter '{holder_name + '.' if holder_name else ''}{attr}' belongs to sharded unit "
-                    f"'{unit_name or '<root>'}' but module '{holder_name}' outside that unit also uses it "
+                    f"'{state.path or '<root>'}' but module '{holder_name}' outside that unit also uses it "
                     "(tied weights?). Shard a module that contains both users, or let the root own it "
                     "(the one-call fully_shard(model, ..., fsdp_unit_modules=...) does this for you).")
 

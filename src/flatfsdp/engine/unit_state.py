@@ -24,14 +24,19 @@ from flatfsdp.engine.param_group import ParamGroup
 from flatfsdp.engine.precision import MixedPrecisionPolicy
 from flatfsdp.engine.root_context import RootContext
 from flatfsdp.engine.structures import map_tensors, replace_tensors, tensors_in
+from flatfsdp.engine.unit_controls import UnitControls
 from flatfsdp.engine.training_state import TrainingState
 
 
 class UnitState:
-    def __init__(self, module: nn.Module, groups: list[ParamGroup], *, policy: MixedPrecisionPolicy,
+    """One unit: a module, or several modules sharded together by one call
+    (``fully_shard([norm, head])``): one set of param groups, gathered when the
+    first of them runs and released when the last of them is done."""
+
+    def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], *, policy: MixedPrecisionPolicy,
                  reshard_after_forward: bool | None, average_grads: bool, sync_each_microbatch: bool,
                  prefetch_bytes: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        self._module = weakref.ref(module)
+        self._modules = [weakref.ref(m) for m in modules]
         self.groups = groups
         self.policy = policy
         self.reshard_after_forward = reshard_after_forward
@@ -40,6 +45,7 @@ class UnitState:
         self.prefetch_bytes = prefetch_bytes
         self.bucket_bytes = bucket_bytes
         self.requires_grad_sync = True
+        self.controls = UnitControls()
         self.training_state = TrainingState.IDLE
         self.context: RootContext | None = None
         self._swapped_in = False
@@ -49,16 +55,32 @@ class UnitState:
         """Real parameter -> the meta-device parameter it replaced (an optimizer
         built on the meta model still holds the old objects)."""
         self.init_seed = 0
-        self.path = ""
-        """This unit's name in the model the outermost fully_shard call sharded."""
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, with_kwargs=True)
+        self.paths = [""] * len(modules)
+        """Each module's name in the model the outermost fully_shard call sharded."""
+        self._forwarded: set[int] = set()
+        """Modules of a grouped unit whose forward ran in the current root forward."""
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, with_kwargs=True)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        modules = [ref() for ref in self._modules]
+        assert all(m is not None for m in modules), "a sharded module was garbage collected"
+        return modules
 
     @property
     def module(self) -> nn.Module:
-        module = self._module()
-        assert module is not None, "the sharded module was garbage collected"
-        return module
+        """The unit's (first) module."""
+        return self.modules[0]
+
+    @property
+    def path(self) -> str:
+        """The unit's name in the model ("a, b" for modules sharded together)."""
+        return ", ".join(self.paths)
+
+    def index_of(self, module: nn.Module) -> int:
+        return next(i for i, ref in enumerate(self._modules) if ref() is module)
 
     @property
     def is_root(self) -> bool:
@@ -80,14 +102,14 @@ class UnitState:
     def wait_unshard(self) -> None:
         gathers, self._gathers = self._gathers, []
         if gathers:
-            with record_function("flatfsdp::wait_unshard"):
+            with record_function(self.label("wait_unshard")):
                 for pending in gathers:
                     pending.wait()
 
     def reshard(self) -> None:
         if not self._swapped_in:
             return
-        with record_function("flatfsdp::reshard"):
+        with record_function(self.label("reshard")):
             self.wait_unshard()
             for group in self.groups:
                 group.reshard()
@@ -101,7 +123,7 @@ class UnitState:
     def _prefetch(self, states: list["UnitState"]) -> None:
         """Start gathering these units' weights so they arrive while this unit
         computes (one coalesced launch for all of them)."""
-        with record_function("flatfsdp::prefetch"):
+        with record_function(self.label("prefetch")):
             gather_units(states, async_op=True)
 
     @property
@@ -110,50 +132,75 @@ class UnitState:
 
     # ---- forward hooks ------------------------------------------------------------------
 
+    def label(self, phase: str) -> str:
+        """Profiler label of one phase of this unit (listed in docs/overlap.md)."""
+        return f"flatfsdp::{phase} ({self.path or '<root>'})"
+
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         context = self._lazy_init()
-        if self.is_root and not context.in_backward:
-            context.before_root_forward()
-            # A training step, even where a reentrant recompute region runs
-            # its first forward under no_grad inside it.
-            context.training_forward = torch.is_grad_enabled()
-        if not context.in_backward:
-            self.training_state = TrainingState.FORWARD
-            context.record_forward(self)
-        self._unshard_now()
-        if not context.in_backward:
-            self._prefetch(context.next_in_forward(self))
-        if torch.is_grad_enabled() and any(g.trainable for g in self.groups):
-            args, kwargs = _PostBackward.register(self, args, kwargs)
-        if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
+        with record_function(self.label("pre_forward")):
+            # (A grouped root begins its forward once, with its first module.)
+            starts = len(self._modules) == 1 or not context.root_forward_running
+            if self.is_root and not context.in_backward and starts:
+                context.before_root_forward()
+                # A training step, even where a reentrant recompute region runs
+                # its first forward under no_grad inside it.
+                context.training_forward = torch.is_grad_enabled()
+                context.root_forward_running = True
+            if not context.in_backward:
+                self.training_state = TrainingState.FORWARD
+                context.record_forward(self)
+                self._forwarded.add(id(module))
+            self._unshard_now()
+            if not context.in_backward:
+                explicit = self.controls.forward_prefetch
+                self._prefetch(context.next_in_forward(self) if explicit is None else explicit)
+            if torch.is_grad_enabled() and any(g.trainable for g in self.groups):
+                args, kwargs = _PostBackward.register(self, args, kwargs)
+            if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
+                args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         context = self.context
         grad = torch.is_grad_enabled()
-        if not context.in_backward:
-            keep = context.training_forward and self._keep_gathered_after_forward(context)
-            if not keep:
-                self.reshard()
-            if self.is_root and not context.training_forward:
-                context.reshard_all()  # no backward will: release prefetched units
-            self.training_state = TrainingState.IDLE
-        if grad:
-            for tensor in tensors_in(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward)
-        if self.policy.output_dtype is not None:
-            output = _cast_floating(output, self.policy.output_dtype)
+        with record_function(self.label("post_forward")):
+            if not context.in_backward:
+                if not self._others_still_to_run(context):
+                    self.finish_forward(context)
+                if self.is_root:
+                    context.after_root_forward()
+            if grad:
+                for tensor in tensors_in(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._pre_backward)
+            if self.policy.output_dtype is not None:
+                output = _cast_floating(output, self.policy.output_dtype)
         return output
+
+    def _others_still_to_run(self, context: RootContext) -> bool:
+        """A grouped unit inside the root's forward stays gathered until each of
+        its modules has run (or the root's forward ends: see finish_forward)."""
+        if len(self._modules) == 1 or self.is_root or not context.root_forward_running:
+            return False
+        return len(self._forwarded) < len(self._modules)
+
+    def finish_forward(self, context: RootContext) -> None:
+        """The unit's forward is over: release its weights unless kept."""
+        self._forwarded.clear()
+        if not (context.training_forward and self._keep_gathered_after_forward(context)):
+            self.reshard()
+        self.training_state = TrainingState.IDLE
 
     def _keep_gathered_after_forward(self, context: RootContext) -> bool:
         """The root always stays gathered (its backward comes last and it is
         needed throughout); so, unless told otherwise, does the unit that ran
         last in the previous step's forward: its backward comes first, so
         releasing it would only gather it again at once."""
-        if self.is_root or self.reshard_after_forward is False:
+        if self.reshard_after_forward is False:
             return True
+        if self.is_root:
+            return self.reshard_after_forward is not True
         return self.reshard_after_forward is None and context.is_last_in_forward(self)
 
     # ---- backward -----------------------------------------------------------------------
@@ -161,26 +208,30 @@ class UnitState:
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         self.context.on_backward_start()
         if self.training_state != TrainingState.PRE_BACKWARD or not self._swapped_in:
-            with record_function("flatfsdp::pre_backward"):
+            with record_function(self.label("pre_backward")):
                 self.training_state = TrainingState.PRE_BACKWARD
-                self._unshard_now()
-                self._prefetch(self.context.previous_in_forward(self))
+                if self.controls.unshard_in_backward:
+                    self._unshard_now()
+                explicit = self.controls.backward_prefetch
+                self._prefetch(self.context.previous_in_forward(self) if explicit is None else explicit)
         return grad
 
     def needs_post_backward(self) -> bool:
         return self._swapped_in or any(p.grad is not None for g in self.groups for p in g.params)
 
     def post_backward(self) -> None:
-        with record_function("flatfsdp::post_backward"):
+        with record_function(self.label("post_backward")):
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
                 group.accumulate_grads()
             if self.requires_grad_sync:
                 for group in self.groups:
-                    request = group.reduction_request(self.average_grads)
+                    request = group.reduction_request(self.average_grads, self.controls.gradient_divide_factor,
+                                                      self.controls.all_reduce_hook)
                     if request is not None:
                         self.context.submit_reduction(request)
-            self.reshard()
+            if self.controls.reshard_after_backward:
+                self.reshard()
 
     # ---- root discovery -----------------------------------------------------------------
 
@@ -189,19 +240,26 @@ class UnitState:
             return self.context
         from flatfsdp.engine.tied_params import check_params_stay_in_units
 
-        states = unit_states(self.module)
-        check_params_stay_in_units(self.module)
+        states = unit_states(*self.modules)
+        for module in self.modules:
+            check_params_stay_in_units(module)
         context = RootContext(self, states)
         for state in states:
             state.context = context
         return context
 
 
-def unit_states(module: nn.Module) -> list[UnitState]:
-    """The runtime of every sharded unit in ``module``'s tree (itself included)."""
+def unit_states(*modules: nn.Module) -> list[UnitState]:
+    """The runtime of every sharded unit in these modules' trees (themselves
+    included), each once (a grouped unit is reached through each of its modules)."""
     from flatfsdp.engine.fsdp_module import FSDPModule
 
-    return [m._flatfsdp_state for m in module.modules() if isinstance(m, FSDPModule)]
+    found: dict[int, UnitState] = {}
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                found.setdefault(id(m._flatfsdp_state), m._flatfsdp_state)
+    return list(found.values())
 
 
 def gather_units(states: list[UnitState], async_op: bool) -> None:
@@ -211,7 +269,7 @@ def gather_units(states: list[UnitState], async_op: bool) -> None:
     if not todo:
         return
     requests, owners = [], []
-    with record_function("flatfsdp::unshard"):
+    with record_function(f"flatfsdp::unshard ({', '.join(s.path or '<root>' for s in todo)})"):
         for state in todo:
             state.ensure_initialized()
             for group in state.groups:
@@ -220,6 +278,10 @@ def gather_units(states: list[UnitState], async_op: bool) -> None:
                     requests.append(request)
                     owners.append(state)
         context = todo[0].context
+        for state in todo:
+            event, state.controls.post_optim_event = state.controls.post_optim_event, None
+            if context is not None:
+                context.gather_stream.wait_for(event)
         pendings = coalesce.gather(requests, async_op=async_op, bucket_bytes=todo[0].bucket_bytes,
                                    stream=context.gather_stream if context is not None else None)
         for state in todo:

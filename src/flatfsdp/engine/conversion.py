@@ -1,0 +1,70 @@
+"""``module.to(dtype)``, ``.to(device)``, ``.to_empty()``, ``.double()`` ... after
+sharding: torch converts the sharded parameters it finds on the module, and
+the unit then takes the converted values back into its own buffers, rebuilding
+a param group when its dtype or device changed, so the module stays sharded
+(and its parameters keep viewing the engine's buffers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flatfsdp.engine.param_group import ParamGroup
+
+
+def adopt_converted(state, module: nn.Module) -> None:
+    """Take the values torch's conversion left at ``module``'s parameter
+    locations into ``state``'s groups."""
+    state.groups = [_adopt(group, state, module) for group in state.groups]
+    for group in state.groups:
+        group.use_sharded_params()
+
+
+def _adopt(group: ParamGroup, state, module: nn.Module) -> ParamGroup:
+    inside = {id(m) for m in module.modules()}
+    converted = []
+    for slot, sharded in zip(group.slots, group.sharded_params):
+        here = [(m, a) for m, a in slot.locations if id(m) in inside]
+        value = here[0][0]._parameters[here[0][1]] if here else sharded
+        converted.append(value)
+    locals_ = [v.to_local() if isinstance(v, DTensor) else v for v in converted]
+    unchanged = all(v is s for v, s in zip(converted, group.sharded_params))
+    if unchanged and all(t.data_ptr() == group.main_chunk(i).data_ptr() for i, t in enumerate(locals_)
+                         if t.numel()):
+        return group  # nothing converted (e.g. .to() to what it already was)
+    dtype, device = locals_[0].dtype, locals_[0].device
+    if dtype == group.main.dtype and device == group.main.device:
+        target = group
+    else:
+        target = _rebuilt(group, state, dtype, device)
+    with torch.no_grad():
+        for index, local in enumerate(locals_):
+            chunk = target.main_chunk(index)
+            if local.shape != chunk.shape:
+                raise RuntimeError(f"converting '{target.slots[index].fqn}' changed its shard shape "
+                                   f"{tuple(chunk.shape)} -> {tuple(local.shape)}")
+            if local.data_ptr() != chunk.data_ptr():
+                chunk.copy_(local)
+    if target is group:
+        # torch may have re-pointed the parameter objects themselves at the
+        # converted copies (``param.data = ...``): make them view the buffers again.
+        group.refresh_views()
+    target.note_weights_written()
+    return target
+
+
+def _rebuilt(group: ParamGroup, state, dtype: torch.dtype, device: torch.device) -> ParamGroup:
+    """A group like ``group`` whose weights have a new dtype / device: new
+    original parameters (full size, filled from the chunks afterwards)."""
+    slots = []
+    for slot in group.slots:
+        param = nn.Parameter(torch.empty(slot.param.shape, dtype=dtype if slot.param.is_floating_point()
+                                         else slot.param.dtype, device=device),
+                             requires_grad=slot.param.requires_grad)
+        for m, attr in slot.locations:
+            m._parameters[attr] = param
+        slots.append(dataclasses.replace(slot, param=param))
+    return ParamGroup(slots, placement=group.placement, policy=state.policy, device=device, fill=False)

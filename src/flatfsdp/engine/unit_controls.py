@@ -1,0 +1,38 @@
+"""What a user may change about a unit at run time (FSDP2's ``set_*`` methods):
+plain values the runtime reads, so each setter is one assignment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class UnitControls:
+    reshard_after_backward: bool = True
+    """False: keep the weights gathered after the unit's backward (gradient
+    accumulation trades memory for one all-gather per microbatch)."""
+    unshard_in_backward: bool = True
+    """False: the backward does not need the weights (e.g. an embedding whose
+    gradient needs only its input), so it is not gathered for it."""
+    forward_prefetch: list | None = None
+    """Units to start gathering when this one runs forward (None: the next in
+    the recorded order)."""
+    backward_prefetch: list | None = None
+    """Units to start gathering when this one's backward starts (None: the
+    previous in the recorded forward order)."""
+    gradient_divide_factor: float | None = None
+    """Divide the summed gradients by this instead of the data-parallel size."""
+    all_reduce_hook: Callable[[Any], None] | None = None
+    """Called on this rank's reduced gradient shard (flat) once it lands."""
+    requires_all_reduce: bool = True
+    """Hybrid meshes: all-reduce across replicas (a 1-D mesh has none)."""
+    reduce_scatter_max_input_buffers: int = 1
+    """Reductions that may be in flight at once (the context takes the largest
+    of its units, at least its own default)."""
+    post_optim_event: Any = None
+    """An event the next gather waits for (the optimizer step's end)."""
+    unshard_async_op: bool = False
+    is_last_backward: bool = True
+    """Read on the root: False means more microbatches follow before the
+    optimizer step, so the backward's end need not wait for its reductions."""
