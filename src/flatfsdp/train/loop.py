@@ -47,15 +47,20 @@ def rank_device() -> torch.device:
 
 def resolve_run_dir(o: TrainOptions) -> str:
     """Rank 0 picks (and creates) the directory; every rank gets its name."""
-    name = [None]
+    name: list = [None]
     if dist.get_rank() == 0:
         path = o.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")
         base, n = path, 1
         while o.run_dir is None and os.path.exists(path):
             path, n = f"{base}-{n}", n + 1
-        os.makedirs(path, exist_ok=True)
-        name = [path]
+        try:
+            os.makedirs(path, exist_ok=True)
+            name = [path]
+        except OSError as exc:  # every rank fails the same way, none waits for the others
+            name = [UsageError(f"--run-dir {path} cannot be created: {exc.strerror or exc}")]
     dist.broadcast_object_list(name, src=0)
+    if isinstance(name[0], UsageError):
+        raise name[0]
     return name[0]
 
 
