@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from flatfsdp.engine.coalesce import DEFAULT_BUCKET_BYTES
+from flatfsdp.engine.fingerprint import check_ranks_agree, describe
 from flatfsdp.engine.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.engine.layout import shard_dim_for
 from flatfsdp.engine.mesh import mesh_device
@@ -33,8 +34,11 @@ def shard_unit(module: nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrateg
         raise ValueError(f"module '{name or type(module).__name__}' ({type(module).__name__}) is already sharded; "
                          "call fully_shard once per module")
     slots = _owned_slots(module, exclude)
-    slots = _choose_placements(slots, mesh, strategy, shard_block, name or type(module).__name__)
     device = mesh_device(mesh)
+    # Before anything else talks to the other ranks: they must be sharding the same unit.
+    check_ranks_agree(describe(name or type(module).__name__, [(s.fqn, s.param) for s in slots]),
+                      mesh.get_group(), device)
+    slots = _choose_placements(slots, mesh, strategy, shard_block, name or type(module).__name__)
     meta_originals: dict = {}
     pending_init = materialize_meta(module, slots, device, meta_originals)
     groups = []

@@ -179,6 +179,7 @@ class UnitState:
                 for group in self.groups:
                     request = group.reduction_request(self.average_grads)
                     if request is not None:
+                        request.unit = self.path or "<root>"
                         self.context.submit_reduction(request)
             self.reshard()
 
@@ -189,8 +190,11 @@ class UnitState:
             return self.context
         from flatfsdp.engine.tied_params import check_params_stay_in_units
 
+        from flatfsdp.engine.stale_optimizers import check_no_stale_optimizer
+
         states = unit_states(self.module)
         check_params_stay_in_units(self.module)
+        check_no_stale_optimizer(states)
         context = RootContext(self, states)
         for state in states:
             state.context = context
@@ -222,6 +226,10 @@ def gather_units(states: list[UnitState], async_op: bool) -> None:
         context = todo[0].context
         pendings = coalesce.gather(requests, async_op=async_op, bucket_bytes=todo[0].bucket_bytes,
                                    stream=context.gather_stream if context is not None else None)
+        phase = "backward gather" if context is not None and context.in_backward else "forward gather"
+        for pending, owner in zip(pendings, owners):
+            if not pending.label.startswith("unit"):  # bucket members share one Pending: name the first
+                pending.label = f"unit '{owner.path or '<root>'}': {phase} {pending.label}"
         for state in todo:
             state._gathers = [p for p, owner in zip(pendings, owners) if owner is state]
             for group in state.groups:

@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         _fail(str(exc))
     threads = 1 if torch.accelerator.is_available() else max(1, (os.cpu_count() or 2) // world)
     try:
-        summary = launch(run, world, o, threads_per_rank=threads, forward_sigint=True)
+        summary = launch(run, world, o, threads_per_rank=threads, forward_sigint=True,
+                         collective_timeout_s=o.timeout)
     except LaunchInterrupted:
         print(f"{PROG}: interrupted before training started; nothing was saved", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
