@@ -71,21 +71,19 @@ def _first_difference(descriptions: list, group: dist.ProcessGroup) -> str:
         a = reference[1][index] if index < len(reference[1]) else None
         b = other[1][index] if index < len(other[1]) else None
         if a != b:
-            return (f"ranks disagree on the model in unit '{reference[0]}': parameter "
-                    f"{_param(a or b)} is {_spec(a)} on rank {ranks[0]} but {_spec(b)} on rank {differ[0]} "
-                    f"({where}); every rank must build the same model")
+            same_name = a is not None and b is not None and a[0] == b[0]
+            what = f"parameter '{a[0]}' is" if same_name else f"parameter #{index} is"
+            return (f"ranks disagree on the model in unit '{reference[0]}': {what} {_spec(a, not same_name)} on "
+                    f"rank {ranks[0]} but {_spec(b, not same_name)} on rank {differ[0]} ({where}); every rank "
+                    "must build the same model")
     return f"ranks disagree on the model in unit '{reference[0]}' ({where})"
 
 
-def _param(entry) -> str:
-    return f"'{entry[0]}'"
-
-
-def _spec(entry) -> str:
+def _spec(entry, with_name: bool) -> str:
     if entry is None:
         return "absent"
     fqn, shape, dtype, requires_grad = entry
-    return f"'{fqn}' {shape} {dtype} requires_grad={requires_grad}"
+    return (f"'{fqn}' " if with_name else "") + f"{shape} {dtype} requires_grad={requires_grad}"
 
 
 # ---- the optional check of the values ------------------------------------------------------------

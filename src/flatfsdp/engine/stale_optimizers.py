@@ -46,7 +46,9 @@ def _replaced_parameters(states: list["UnitState"]) -> dict[int, str]:
 
 def _holder(replaced: dict[int, str]) -> tuple[str, int, str] | None:
     for obj in gc.get_objects():
-        if isinstance(obj, torch.optim.Optimizer):
+        # type(), not isinstance: isinstance reads __class__, which some module
+        # objects turn into a deprecation warning.
+        if issubclass(type(obj), torch.optim.Optimizer):
             held = [replaced[id(p)] for g in obj.param_groups for p in g["params"] if id(p) in replaced]
             if held:
                 return type(obj).__name__, len(held), held[0]
@@ -64,6 +66,6 @@ def check_no_stale_optimizer(states: list["UnitState"]) -> None:
         return
     kind, count, first = found
     raise ValueError(
-        f"a {kind} optimizer holds {count} of the parameters that fully_shard replaced (first: '{first}'); it "
+        f"optimizer {kind} holds {count} of the parameters that fully_shard replaced (first: '{first}'); it "
         "would step nothing, every step. Build the optimizer after sharding, on model.parameters(), or bind "
         "it before the first forward: fully_shard(model, optimizer, ...) or fully_shard_optimizer(optimizer, model)")
