@@ -136,3 +136,51 @@ def test_train_save_onto_a_file_via_the_installed_command(tmp_path):
                            "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "it is a file" in done.stderr
     assert (tmp_path / "model.bin").read_text() == "precious"
+
+
+# ---- a run that diverges ---------------------------------------------------------------------------
+
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--micro-batch-size", "2", "--eval-iters", "1", "--no-progress", "--nproc", "2"]
+
+
+def _train(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flatfsdp.train", *TINY, *argv], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_diverging_run_stops_and_keeps_the_good_checkpoint(tmp_path):
+    good = _train(["--train-iters", "2", "--save", str(tmp_path / "ck"), "--run-dir", str(tmp_path / "r1")])
+    assert good.returncode == 0, good.stderr
+    before = _snapshot(tmp_path / "ck")
+    # lr 1e9 without clipping: the first step is finite, the next one is not.
+    bad = _train(["--train-iters", "50", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "ck"),
+                  "--save-interval", "1", "--lr", "1e9", "--clip-grad", "0", "--run-dir", str(tmp_path / "r2")])
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert "NaN/inf" in lines[0] and "stopped before the optimizer step, nothing saved" in lines[0]
+    assert lines[0].startswith("flatfsdp train: error: step ")
+    log = json.loads((tmp_path / "r2" / "log.json").read_text())
+    assert all(entry["loss"] == entry["loss"] for entry in log["steps"])  # no NaN recorded
+    assert (tmp_path / "r2" / "loss.png").exists()
+    # Every save before the NaN step held finite weights; the NaN step saved nothing.
+    state = {t["name"]: t for t in ckpt.summarize(tmp_path / "ck")["tensors"]}
+    assert "model.tok_emb.weight" in state
+    loaded = {"model": {"tok_emb.weight": torch.zeros(state["model.tok_emb.weight"]["shape"])}}
+    ckpt.load(loaded, tmp_path / "ck", strict=False)
+    assert torch.isfinite(loaded["model"]["tok_emb.weight"]).all()
+    if not log["steps"]:  # diverged at once: the checkpoint is byte for byte the good one
+        assert _snapshot(tmp_path / "ck") == before
+
+
+def test_skip_mode_skips_nonfinite_steps_and_goes_on(tmp_path):
+    done = _train(["--train-iters", "6", "--lr", "1e9", "--clip-grad", "0", "--on-nonfinite", "skip",
+                   "--save", str(tmp_path / "ck"), "--run-dir", str(tmp_path / "r")])
+    assert done.returncode == 0, done.stderr
+    log = json.loads((tmp_path / "r" / "log.json").read_text())
+    events = [e for e in log.get("events", []) if "non-finite" in str(e)]
+    assert events, log.get("events")
+    assert all(entry["loss"] == entry["loss"] for entry in log["steps"])
+    loaded = ckpt.summarize(tmp_path / "ck")  # the final save happened, with finite weights (checked on save)
+    assert loaded["tensors"]
