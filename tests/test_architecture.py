@@ -19,13 +19,13 @@ ENGINE = SRC / "engine"
 LAYERS = {
     "layout": 0, "strategy": 0, "training_state": 0, "comm_account": 0, "unit_controls": 0,
     "device": 1, "precision": 1, "buffer": 1, "views": 1, "mesh": 1, "host_memory": 1, "placement": 1,
-    "structures": 1, "fsdp2_args": 1,
-    "exchange": 2, "collectives": 2,
+    "structures": 1, "watchdog": 1, "fsdp2_args": 1,
+    "exchange": 2, "collectives": 2, "fingerprint": 2,
     "gather": 3, "coalesce": 3, "reduction_queue": 3,
     "param_group": 4,
     "root_context": 5, "unit_state": 5, "fsdp_module": 5, "meta_init": 5, "tied_params": 5, "state_dict": 5,
-    "unit_classes": 5, "conversion": 5,
-    "shard_unit": 6, "optimizer": 6, "memory": 6,
+    "unit_classes": 5, "stale_optimizers": 5, "conversion": 5,
+    "shard_unit": 6, "optimizer": 6, "memory": 6, "finite_check": 6,
     "api": 7, "__init__": 8,
 }
 

@@ -94,8 +94,8 @@ def test_interrupted_fallback_swap_is_recovered(tmp_path, new_complete):
     ckpt.save(training_state(1), new)
     if not new_complete:
         os.remove(new / ckpt.MANIFEST_NAME)
-    os.rename(target, f"{target}.old-abc")
-    os.rename(new, f"{target}.tmp-abc")
+    os.rename(target, f"{target}.old-abcdef012345")
+    os.rename(new, f"{target}.tmp-abcdef012345")
     loaded = zeros_like_tree(training_state(0))
     ckpt.load(loaded, target)
     assert_tree_equal(loaded, training_state(1 if new_complete else 0))

@@ -30,11 +30,14 @@ import socket
 import threading
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import flatfsdp
 
 _POLL_S = 0.2
 """How often the parent checks on its ranks while waiting for their reports."""
@@ -55,34 +58,46 @@ def under_torchrun() -> bool:
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
-           threads_per_rank: int = 1, timeout_s: float | None = None, forward_sigint: bool = False) -> Any:
+           threads_per_rank: int = 1, timeout_s: float | None = None, forward_sigint: bool = False,
+           collective_timeout_s: float | None = None) -> Any:
     """Run ``fn(*args)`` on every rank; return rank 0's result (this rank's under torchrun).
 
     ``fn`` must be importable by name (a module-level function) so spawned ranks
     can unpickle it. ``timeout_s`` bounds the whole spawned run (None: no bound).
-    ``forward_sigint``: see the module docstring.
+    ``forward_sigint``: see the module docstring. ``collective_timeout_s``: how
+    long a rank waits in a collective before failing with an error that names
+    the ranks that did not come (the process group's timeout, and the engine's
+    through ``flatfsdp.TIMEOUT_ENV``); None: the defaults.
     """
     if under_torchrun():
-        _init_group(backend, int(os.environ.get("LOCAL_RANK", 0)))
+        _set_collective_timeout(collective_timeout_s)
+        _init_group(backend, int(os.environ.get("LOCAL_RANK", 0)), collective_timeout_s)
         return fn(*args)
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
-    return _spawn(fn, nprocs, args, backend, threads_per_rank, timeout_s, forward_sigint)
+    return _spawn(fn, nprocs, args, backend, threads_per_rank, timeout_s, forward_sigint, collective_timeout_s)
 
 
-def _init_group(backend: str | None, local_rank: int) -> None:
+def _set_collective_timeout(seconds: float | None) -> None:
+    """This process is a rank: the engine reads its limit from the environment."""
+    if seconds is not None:
+        os.environ[flatfsdp.TIMEOUT_ENV] = repr(float(seconds))
+
+
+def _init_group(backend: str | None, local_rank: int, timeout_s: float | None = None) -> None:
     """Initialise the default group from the environment, once per process."""
     if dist.is_initialized():
         return
     backend = backend or default_backend()
+    extra = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if backend == "gloo" or not torch.accelerator.is_available():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **extra)
         return
     # One device per local rank; naming it binds the group to it up front
     # instead of leaving the backend to guess the rank-to-device mapping.
     torch.accelerator.set_device_index(local_rank)
     device = torch.device(torch.accelerator.current_accelerator().type, local_rank)
-    dist.init_process_group(backend, device_id=device)
+    dist.init_process_group(backend, device_id=device, **extra)
 
 
 def default_backend() -> str:
@@ -101,12 +116,13 @@ def _free_port() -> int:
 
 
 def _rank_main(fn, rank: int, world: int, port: int, backend: str | None, threads: int,
-               reports, args: tuple) -> None:
+               reports, args: tuple, collective_timeout_s: float | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    _set_collective_timeout(collective_timeout_s)
     torch.set_num_threads(threads)
     try:
-        _init_group(backend, rank)
+        _init_group(backend, rank, collective_timeout_s)
         result = fn(*args)
         # Plain pickle turns tensors into bytes: torch's queue pickler would send
         # shared-memory handles that die with this process.
@@ -119,11 +135,12 @@ def _rank_main(fn, rank: int, world: int, port: int, backend: str | None, thread
 
 
 def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, timeout_s: float | None,
-           forward_sigint: bool = False) -> Any:
+           forward_sigint: bool = False, collective_timeout_s: float | None = None) -> Any:
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, nprocs, port, backend, threads, reports, args),
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, nprocs, port, backend, threads, reports, args,
+                                                  collective_timeout_s),
                          daemon=True, name=f"flatfsdp-rank{r}") for r in range(nprocs)]
     forwarder = _SigintForwarder(procs) if forward_sigint else None
     ok = False

@@ -11,6 +11,6 @@ from flatfsdp.checkpoint.export import export_checkpoint
 from flatfsdp.checkpoint.import_ import import_state_dict
 from flatfsdp.checkpoint.inspect import summarize
 from flatfsdp.checkpoint.manifest import MANIFEST_NAME
-from flatfsdp.checkpoint.save_load import load, save
+from flatfsdp.checkpoint.save_load import check_save_target, load, save
 
-__all__ = ["CheckpointError", "MANIFEST_NAME", "export_checkpoint", "import_state_dict", "load", "save", "summarize"]
+__all__ = ["CheckpointError", "MANIFEST_NAME", "check_save_target", "export_checkpoint", "import_state_dict", "load", "save", "summarize"]

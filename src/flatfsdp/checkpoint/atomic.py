@@ -16,6 +16,13 @@ the manifest is written (last, fsynced), the coordinator publishes it:
 
 A crash before the swap leaves ``DIR`` untouched and a tmp directory without a
 manifest, which no reader accepts; the next save removes such leftovers.
+
+Note [only our own files]
+Publishing replaces ``DIR`` and deletes what was there, so `check_replaceable`
+first makes sure that is a checkpoint (it has our manifest) or an empty
+directory: a user's folder (``--save .``) or file is refused, never renamed or
+emptied. Leftovers are deleted only when their names carry our token
+(``DIR.tmp-<12 hex>``, ``DIR.old-<12 hex>``) and they are directories.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ import ctypes
 import errno
 import glob
 import os
+import re
 import secrets
 import shutil
 
+from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.manifest import MANIFEST_NAME
 
 _TMP, _OLD = ".tmp-", ".old-"
+_TOKEN = re.compile(r"[0-9a-f]{12}")
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -102,7 +112,7 @@ def recover(directory: str) -> str | None:
     if os.path.exists(directory):
         return None
     for pattern in (_TMP, _OLD):  # the new checkpoint first, else the previous one
-        candidates = [p for p in glob.glob(glob.escape(directory) + pattern + "*") if _complete(p)]
+        candidates = [p for p in _ours(directory, pattern) if _complete(p)]
         if candidates:
             newest = max(candidates, key=lambda p: os.path.getmtime(os.path.join(p, MANIFEST_NAME)))
             os.rename(newest, directory)
@@ -111,11 +121,42 @@ def recover(directory: str) -> str | None:
     return None
 
 
+def _ours(directory: str, pattern: str) -> list[str]:
+    """Siblings ``DIR<pattern><token>`` that are directories with our token's shape."""
+    found = glob.glob(glob.escape(directory) + pattern + "*")
+    return [p for p in found if _TOKEN.fullmatch(p[len(directory) + len(pattern):])
+            and os.path.isdir(p) and not os.path.islink(p)]
+
+
 def remove_leftovers(directory: str) -> list[str]:
     """Delete tmp/aside siblings of earlier interrupted saves (call after `recover`)."""
     removed = []
     for pattern in (_TMP, _OLD):
-        for path in glob.glob(glob.escape(directory) + pattern + "*"):
+        for path in _ours(directory, pattern):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def check_replaceable(directory: str) -> None:
+    """Raise unless saving to ``directory`` would replace nothing but a checkpoint
+    (or an empty directory): see Note [only our own files]."""
+    if not os.path.lexists(directory):
+        parent = os.path.dirname(directory)
+        if not os.path.isdir(parent):
+            raise CheckpointError(f"cannot save a checkpoint to {directory}: its parent directory {parent} "
+                                  "does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise CheckpointError(f"cannot save a checkpoint to {directory}: {parent} is not writable")
+        return
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        raise CheckpointError(f"refusing to save a checkpoint to {directory}: it is a file, not a checkpoint "
+                              "directory (it was left untouched); choose a new or empty directory")
+    if not _complete(directory) and os.listdir(directory):
+        raise CheckpointError(f"refusing to save a checkpoint to {directory}: it is a directory that is not a "
+                              f"flatfsdp checkpoint (no {MANIFEST_NAME}), and saving would replace its contents "
+                              "(left untouched); choose a new or empty directory")
+    parent = os.path.dirname(directory)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot save a checkpoint to {directory}: {parent} is not writable "
+                              "(a save writes a sibling directory and swaps it in)")

@@ -71,10 +71,12 @@ def load_metadata_bytes(raw: bytes, path: str) -> dcp_metadata.Metadata:
 class VerifiedReader(FileSystemReader):
     """A FileSystemReader whose metadata is hash-checked and safely unpickled."""
 
-    def __init__(self, path: str, expected_sha256: str | None):
+    def __init__(self, path: str, expected_sha256: str | None, listed: frozenset[str] | None = None):
         super().__init__(path)
         self._directory = os.fspath(path)
         self._expected_sha256 = expected_sha256
+        self._listed = listed
+        """Files the manifest lists (and so were verified); None: not checked."""
         self._metadata_bytes: bytes | None = None
 
     def _verified_bytes(self) -> bytes:
@@ -93,10 +95,23 @@ class VerifiedReader(FileSystemReader):
         if kwargs.get("rank") is not None:  # flatfsdp never writes per-rank metadata files
             raise CheckpointError(f"{self._directory}: per-rank DCP metadata is not supported")
         metadata = load_metadata_bytes(self._verified_bytes(), os.path.join(self._directory, METADATA_NAME))
+        self._check_listed(metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+    def _check_listed(self, metadata: dcp_metadata.Metadata) -> None:
+        """Every data file the metadata reads from must be one the manifest lists
+        (a manifest edited to drop a file would otherwise let it load unverified)."""
+        if self._listed is None:
+            return
+        used = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        unlisted = sorted(p for p in used if p is not None and p not in self._listed)
+        if unlisted:
+            raise CheckpointError(f"{self._directory}: {unlisted[0]} is read by the checkpoint but not listed in "
+                                  "its manifest, so it cannot be verified (a tampered or mixed-up checkpoint)")
 
 
 def _assign(root, path, value) -> None:

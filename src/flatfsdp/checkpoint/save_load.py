@@ -39,7 +39,8 @@ def save(state_dict: dict, directory, *, process_group=None, no_dist: bool = Fal
     """Save ``state_dict`` (DTensors, tensors, plain values) as a DCP checkpoint at
     ``directory``, replacing a previous one atomically. Collective over
     ``process_group`` (default: the world) when one is initialised, unless
-    ``no_dist`` (this process alone writes the whole checkpoint)."""
+    ``no_dist`` (this process alone writes the whole checkpoint). Refuses a
+    ``directory`` that exists and is neither a checkpoint nor empty."""
     directory = atomic.normalize(directory)
     co = Coordination(process_group, no_dist=no_dist)
     token = co.broadcast(atomic.new_token() if co.is_coordinator else None)
@@ -47,6 +48,7 @@ def save(state_dict: dict, directory, *, process_group=None, no_dist: bool = Fal
 
     def prepare():
         atomic.recover(directory)
+        atomic.check_replaceable(directory)  # before anything is deleted: Note [only our own files]
         atomic.remove_leftovers(directory)
         os.makedirs(tmp)
 
@@ -61,6 +63,13 @@ def save(state_dict: dict, directory, *, process_group=None, no_dist: bool = Fal
                      no_dist=not co.distributed)
         co.barrier()  # every rank's files are on disk before the manifest describes them
         co.run_on_coordinator(publish)
+
+
+def check_save_target(directory) -> None:
+    """Raise CheckpointError now if `save` to ``directory`` would be refused (it
+    is a file, or a folder that is not a checkpoint) or cannot be written: lets
+    a program check before it spends hours producing what it wants to save."""
+    atomic.check_replaceable(atomic.normalize(directory))
 
 
 def open_checkpoint(directory, co: Coordination | None = None, *, hashes: bool = True) -> VerifiedReader:
@@ -81,7 +90,7 @@ def open_checkpoint(directory, co: Coordination | None = None, *, hashes: bool =
     except CheckpointError as exc:
         error = str(exc)
     co.raise_first(error)
-    return VerifiedReader(directory, files[METADATA_NAME]["sha256"])
+    return VerifiedReader(directory, files[METADATA_NAME]["sha256"], listed=frozenset(files))
 
 
 def load(state_dict: dict, directory, *, process_group=None, no_dist: bool = False, strict: bool = True,

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flatfsdp.engine.fsdp2_args import check_fsdp2_mesh, check_offload_policy, fsdp2_reshard_after_forward
 from flatfsdp.engine.layout import check_block
-from flatfsdp.engine.mesh import resolve_dp_mesh
+from flatfsdp.engine.mesh import check_device, resolve_dp_mesh
 from flatfsdp.engine.optimizer import fully_shard_optimizer
 from flatfsdp.engine.precision import resolve_policy
 from flatfsdp.engine.shard_unit import shard_unit
@@ -24,7 +24,8 @@ from flatfsdp.engine.unit_classes import resolve_unit_classes
 # buffer-registration knobs have no counterpart yet.
 _ACCEPTED_NO_OPS = {"overlap_grad_reduce", "overlap_param_gather", "preproc_state_dict_for_dcp_ckpt",
                     "keep_fp8_transpose_cache_when_using_custom_fsdp", "nccl_ub", "fsdp_double_buffer",
-                    "disable_symmetric_registration", "device"}
+                    "disable_symmetric_registration"}
+_CHECKED = {"device"}  # accepted when it agrees with the mesh (see mesh.check_device)
 _NOT_YET = {"dp_outer_dim", "tp_dim", "hybrid_fsdp_group", "expt_device_mesh", "outer_dp_sharding_strategy"}
 
 
@@ -120,7 +121,7 @@ def _checked_block(block):
 def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
              grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss, sync_model_each_microbatch,
              init_model_with_meta_device, extra: dict) -> dict:
-    unknown = set(extra) - _ACCEPTED_NO_OPS - _NOT_YET
+    unknown = set(extra) - _ACCEPTED_NO_OPS - _NOT_YET - _CHECKED
     if unknown:
         raise TypeError(f"fully_shard got unexpected keyword argument(s) {sorted(unknown)}")
     requested = sorted(k for k in set(extra) & _NOT_YET if extra[k] is not None)
@@ -131,8 +132,10 @@ def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed
     check_fsdp2_mesh(mesh)
     if mp_policy is not None and mixed_precision_policy is not None:
         raise ValueError("pass the policy as either mp_policy= or mixed_precision_policy=, not both")
+    dp_mesh = resolve_dp_mesh(mesh if mesh is not None else device_mesh, dp_shard_dim)
+    check_device(extra.get("device"), dp_mesh)
     return dict(
-        mesh=resolve_dp_mesh(mesh if mesh is not None else device_mesh, dp_shard_dim),
+        mesh=dp_mesh,
         strategy=ShardingStrategy.parse(zero_dp_strategy),
         policy=resolve_policy(mp_policy if mp_policy is not None else mixed_precision_policy,
                               grad_reduce_in_fp32=grad_reduce_in_fp32, preserve_fp32_weights=preserve_fp32_weights),

@@ -97,6 +97,8 @@ class ReduceRequest:
     """Set when issued; until then a ``ReductionQueue`` may hold it in a bucket."""
     flush: Callable[[], None] | None = None
     """Issues the bucket holding this request (set by the queue that holds it)."""
+    unit: str = ""
+    """The unit whose gradients these are (named if the reduction times out)."""
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +126,8 @@ def reduce(members: list[ReduceRequest], *, async_op: bool, stream: SideStream |
     for m in members:
         m.pending = pending
         pending.then.extend(m.then)
+    units = ", ".join(dict.fromkeys(f"'{m.unit}'" for m in members))
+    pending.label = f"unit {units}: gradient reduction {pending.label}"
     return pending
 
 

@@ -19,6 +19,7 @@ from torch.autograd.profiler import record_function
 from flatfsdp.engine.comm_account import comm_account
 from flatfsdp.engine.device import SideStream, wait_event
 from flatfsdp.engine.exchange import exchange_all_gather, exchange_reduce_scatter, post_messages
+from flatfsdp.engine.watchdog import wait_works
 
 
 @dataclass
@@ -28,11 +29,15 @@ class Pending:
     works: list = field(default_factory=list)
     then: list[Callable[[], None]] = field(default_factory=list)
     event: "torch.Event | None" = None
+    peers: list | None = None
+    """The group rank each work exchanges with (pairwise messages); None: collectives."""
+    group: "dist.ProcessGroup | None" = None
+    label: str = ""
+    """What this is, for an error: "unit 'blocks.0': forward gather (all_gather)"."""
 
     def wait(self) -> None:
         works, self.works = self.works, []
-        for work in works:
-            work.wait()
+        wait_works(works, self.peers, self.group, self.label)
         event, self.event = self.event, None
         wait_event(event)
         callbacks, self.then = self.then, []
@@ -52,14 +57,20 @@ def _run(kind: str, size: int, stream: SideStream | None, async_op: bool,
     comm_account().add(kind, size)
     with record_function(f"flatfsdp::{kind}"):
         if stream is None or stream.stream is None:
-            return issue(async_op)
-        pending, event = stream.launch(lambda: issue(False))
-        pending.event = event
+            pending = issue(async_op)
+        else:
+            pending, event = stream.launch(lambda: issue(False))
+            pending.event = event
+        pending.label = f"({kind})"
         return pending
 
 
-def _handles(*works: "dist.Work | None") -> Pending:
-    return Pending([w for w in works if w is not None])
+def _handles(group: dist.ProcessGroup, *works: "dist.Work | None") -> Pending:
+    return Pending([w for w in works if w is not None], group=group)
+
+
+def _messages(group: dist.ProcessGroup, pairs: list, then: list | None = None) -> Pending:
+    return Pending([w for w, _ in pairs], then=then or [], peers=[p for _, p in pairs], group=group)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
@@ -68,9 +79,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     ``output``'s own slice: in-place gathers need no staging copy."""
     if gloo_algorithm(group) == "exchange":
         return _run("all_gather", nbytes(output), None, async_op,
-                    lambda _: Pending(exchange_all_gather(output, shard, group)))
+                    lambda _: _messages(group, exchange_all_gather(output, shard, group)))
     return _run("all_gather", nbytes(output), stream, async_op,
-                lambda a: _handles(dist.all_gather_into_tensor(output, shard, group=group, async_op=a)))
+                lambda a: _handles(group, dist.all_gather_into_tensor(output, shard, group=group, async_op=a)))
 
 
 def gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup, size: int,
@@ -78,7 +89,8 @@ def gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group: dist.P
     """Several equal-shard all-gathers that together fill one buffer of ``size``
     bytes (counted once): ``(output, shard)`` pairs, each rank-major."""
     def issue(a: bool) -> Pending:
-        return _handles(*(dist.all_gather_into_tensor(out, shard, group=group, async_op=a) for out, shard in pieces))
+        return _handles(group, *(dist.all_gather_into_tensor(out, shard, group=group, async_op=a)
+                                 for out, shard in pieces))
     return _run("all_gather", size, stream, async_op, issue)
 
 
@@ -86,7 +98,7 @@ def exchange(kind: str, size: int, sends: list[tuple[int, torch.Tensor]], recvs:
              group: dist.ProcessGroup) -> Pending:
     """Point-to-point messages that together implement one collective of
     ``size`` bytes (counted as ``kind``); see exchange.post_messages."""
-    return _run(kind, size, None, True, lambda _: Pending(post_messages(sends, recvs, group)))
+    return _run(kind, size, None, True, lambda _: _messages(group, post_messages(sends, recvs, group)))
 
 
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
@@ -96,7 +108,7 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
     algorithm = gloo_algorithm(group)
     if algorithm == "exchange":
         return _run("reduce_scatter", nbytes(flat), None, async_op,
-                    lambda _: Pending(*exchange_reduce_scatter(output, flat, group)))
+                    lambda _: _messages(group, *exchange_reduce_scatter(output, flat, group)))
     if algorithm == "all_reduce":
         pending = all_reduce(flat, group, async_op)
         shard = flat.numel() // group.size()
@@ -105,8 +117,8 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
             pending.then.append(lambda: output.copy_(mine))
         return pending
     return _run("reduce_scatter", nbytes(flat), stream, async_op,
-                lambda a: _handles(dist.reduce_scatter_tensor(output, flat, op=dist.ReduceOp.SUM, group=group,
-                                                              async_op=a)))
+                lambda a: _handles(group, dist.reduce_scatter_tensor(output, flat, op=dist.ReduceOp.SUM,
+                                                                     group=group, async_op=a)))
 
 
 def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
@@ -115,7 +127,7 @@ def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = Fa
     where gathers are exchanges: replicas must end bitwise equal, which one
     collective guarantees and per-rank sums in different orders would not."""
     return _run("all_reduce", nbytes(flat), stream, async_op,
-                lambda a: _handles(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=a)))
+                lambda a: _handles(group, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=a)))
 
 
 GLOO_ALGORITHMS = ("exchange", "native", "all_reduce")

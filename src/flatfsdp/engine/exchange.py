@@ -35,21 +35,22 @@ def _chunk(flat: torch.Tensor, index: int, size: int) -> torch.Tensor:
 
 
 def post_messages(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
-                  group: dist.ProcessGroup) -> list[dist.Work]:
+                  group: dist.ProcessGroup) -> list[tuple[dist.Work, int]]:
     """Post every send and receive at once, under one tag. Several messages
     between the same pair are matched in the order posted (gloo keeps them in
     order per pair and tag), so both sides must list them in the same order --
-    which they do, building the lists from the same layout."""
+    which they do, building the lists from the same layout. Returns each work
+    with its peer (a wait that times out then names the rank that is missing)."""
     tag, works = _next_tag(group), []
     for peer, tensor in sends:
-        works.append(dist.isend(tensor, group=group, group_dst=peer, tag=tag))
+        works.append((dist.isend(tensor, group=group, group_dst=peer, tag=tag), peer))
     for peer, tensor in recvs:
-        works.append(dist.irecv(tensor, group=group, group_src=peer, tag=tag))
+        works.append((dist.irecv(tensor, group=group, group_src=peer, tag=tag), peer))
     return works
 
 
 def exchange_all_gather(output: torch.Tensor, shard: torch.Tensor,
-                        group: dist.ProcessGroup) -> list[dist.Work]:
+                        group: dist.ProcessGroup) -> list[tuple[dist.Work, int]]:
     """Rank r's ``shard`` lands in chunk r of every rank's ``output``."""
     world, me, size = group.size(), group.rank(), shard.numel()
     mine = _chunk(output, me, size)
@@ -61,10 +62,10 @@ def exchange_all_gather(output: torch.Tensor, shard: torch.Tensor,
 
 
 def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,
-                            group: dist.ProcessGroup) -> tuple[list[dist.Work], list[Callable[[], None]]]:
+                            group: dist.ProcessGroup) -> tuple[list[tuple[dist.Work, int]], list[Callable[[], None]]]:
     """Chunk r of ``flat``, summed over ranks, lands in rank r's ``output``.
 
-    Returns the works and (as a one-item list) the summation to run once they are done. The peers'
+    Returns the works with their peers and (as a one-item list) the summation to run once they are done. The peers'
     contributions arrive in a scratch buffer of (world - 1) chunks; the sum
     runs in rank order, so it is the same whichever rank computes it.
     """
@@ -75,8 +76,8 @@ def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,
         if peer == me:
             continue
         slots[peer] = _chunk(received, len(slots), size)
-        works.append(dist.isend(_chunk(flat, peer, size), group=group, group_dst=peer, tag=tag))
-        works.append(dist.irecv(slots[peer], group=group, group_src=peer, tag=tag))
+        works.append((dist.isend(_chunk(flat, peer, size), group=group, group_dst=peer, tag=tag), peer))
+        works.append((dist.irecv(slots[peer], group=group, group_src=peer, tag=tag), peer))
 
     def finish() -> None:
         parts = [slots.get(rank, _chunk(flat, me, size)) for rank in range(world)]

@@ -42,3 +42,14 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def check_device(device, mesh: DeviceMesh) -> None:
+    """Megatron-FSDP's ``device=``: the shards live where the mesh says, so a
+    device that disagrees is an error rather than silently ignored."""
+    if device is None:
+        return
+    wanted, actual = torch.device(device), mesh_device(mesh)
+    if wanted.type != actual.type or (wanted.index is not None and wanted.index != actual.index):
+        raise ValueError(f"device={str(device)!r} disagrees with the device mesh, whose shards live on "
+                         f"{actual} on this rank: pass a mesh of that device type, or leave device= out")

@@ -92,12 +92,17 @@ def initialize_pending(state) -> None:
             param.data = views.unsharded_param(temp, p)
         group.use_unsharded_params()
         temps.append(temp)
+    # Only parameters that were on the meta device take the new values: a real
+    # parameter in the same unit (a pretrained embedding put into a meta-built
+    # model) keeps the values it was given, even when its module was reset.
+    was_meta = {id(real) for real in state.meta_originals}
     with torch.no_grad():
         for index, path, module in pending:
             seeded_reset(module, state.init_seed, _model_name(state.paths[index], path))
         for group, temp, old in zip(state.groups, temps, saved):
             for index, (p, param) in enumerate(zip(group.layout.params, group.params)):
-                group.main_chunk(index).copy_(group.own_chunk_of(views.unsharded_param(temp, p), index))
+                if id(param) in was_meta:
+                    group.main_chunk(index).copy_(group.own_chunk_of(views.unsharded_param(temp, p), index))
                 param.data = old[index]
             group.use_sharded_params()
             group.note_weights_written()

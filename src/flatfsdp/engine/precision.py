@@ -27,12 +27,13 @@ class MixedPrecisionPolicy:
         return self.param_dtype or original
 
     def main_dtype(self, original: torch.dtype) -> torch.dtype:
-        """Never below the parameter's own precision: fp64 weights keep fp64
-        main weights (and optimizer state)."""
+        """Never narrower than the parameter: fp64 parameters keep fp64 main
+        weights (and are stepped in fp64), as FSDP2 does; fp32 main weights are
+        a floor for low-precision parameters, not a cap."""
         if not original.is_floating_point:
             return original
         main = self.main_params_dtype or original
-        return original if torch.finfo(original).bits > torch.finfo(main).bits else main
+        return original if original.itemsize > main.itemsize else main
 
     def grad_reduce_dtype(self, original: torch.dtype) -> torch.dtype:
         return self.reduce_dtype or self.compute_dtype(original)

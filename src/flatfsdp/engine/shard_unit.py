@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from flatfsdp.engine.coalesce import DEFAULT_BUCKET_BYTES
+from flatfsdp.engine.fingerprint import check_ranks_agree, describe
 from flatfsdp.engine.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.engine.layout import shard_dim_for
 from flatfsdp.engine.mesh import mesh_device
@@ -42,8 +43,10 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DeviceMesh, strate
     slots = _owned_slots(units, exclude)
     if require_shardable:
         _refuse_unshardable(slots, label)
-    slots = _choose_placements(slots, mesh, strategy, shard_block, shard_placement_fn, label)
     device = mesh_device(mesh)
+    # Before anything else talks to the other ranks: they must be sharding the same unit.
+    check_ranks_agree(describe(label, [(s.fqn, s.param) for s in slots]), mesh.get_group(), device)
+    slots = _choose_placements(slots, mesh, strategy, shard_block, shard_placement_fn, label)
     meta_originals: dict = {}
     pending_init = materialize_meta(units, slots, device, meta_originals)
     groups = []

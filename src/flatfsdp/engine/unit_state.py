@@ -229,6 +229,7 @@ class UnitState:
                     request = group.reduction_request(self.average_grads, self.controls.gradient_divide_factor,
                                                       self.controls.all_reduce_hook)
                     if request is not None:
+                        request.unit = self.path or "<root>"
                         self.context.submit_reduction(request)
             if self.controls.reshard_after_backward:
                 self.reshard()
@@ -240,9 +241,12 @@ class UnitState:
             return self.context
         from flatfsdp.engine.tied_params import check_params_stay_in_units
 
+        from flatfsdp.engine.stale_optimizers import check_no_stale_optimizer
+
         states = unit_states(*self.modules)
         for module in self.modules:
             check_params_stay_in_units(module)
+        check_no_stale_optimizer(states)
         context = RootContext(self, states)
         for state in states:
             state.context = context
@@ -284,6 +288,10 @@ def gather_units(states: list[UnitState], async_op: bool) -> None:
                 context.gather_stream.wait_for(event)
         pendings = coalesce.gather(requests, async_op=async_op, bucket_bytes=todo[0].bucket_bytes,
                                    stream=context.gather_stream if context is not None else None)
+        phase = "backward gather" if context is not None and context.in_backward else "forward gather"
+        for pending, owner in zip(pendings, owners):
+            if not pending.label.startswith("unit"):  # bucket members share one Pending: name the first
+                pending.label = f"unit '{owner.path or '<root>'}': {phase} {pending.label}"
         for state in todo:
             state._gathers = [p for p, owner in zip(pendings, owners) if owner is state]
             for group in state.groups:

@@ -13,8 +13,9 @@ import sys
 
 import torch
 
+from flatfsdp import checkpoint
 from flatfsdp.launch import LaunchInterrupted, launch, under_torchrun
-from flatfsdp.train import hf, resume
+from flatfsdp.train import data, hf, resume
 from flatfsdp.train.loop import run
 from flatfsdp.train.options import PROG, TrainOptions, UsageError, accumulation_steps, parse_options
 
@@ -52,7 +53,43 @@ def check_before_launch(o: TrainOptions) -> int:
         hf.require_transformers()
     if o.load:
         resume.check_loadable(o.load, expected_model_shapes(o))
+    check_paths(o)
+    check_sequence_fits(o)
     return world
+
+
+def check_paths(o: TrainOptions) -> None:
+    """--save and --run-dir, now rather than after the run: a save never
+    replaces a folder that is not a checkpoint (nor a file), and both must be writable."""
+    if o.save:
+        try:
+            checkpoint.check_save_target(o.save)
+        except checkpoint.CheckpointError as exc:
+            raise UsageError(f"--save {o.save}: {exc}") from None
+    run_dir = o.run_dir or "runs"
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+        raise UsageError(f"--run-dir {run_dir} is a file, not a directory")
+    try:
+        if o.run_dir:  # made now, as rank 0 would make it anyway: any reason it cannot be shows here
+            os.makedirs(run_dir, exist_ok=True)
+        existing = os.path.abspath(run_dir)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(f"{existing} is not writable")
+    except OSError as exc:
+        what = f"--run-dir {run_dir}" if o.run_dir else f"the default run directory ./{run_dir}"
+        raise UsageError(f"{what} cannot be created or written ({exc.strerror or exc}): pass "
+                         "--run-dir DIR") from None
+
+
+def check_sequence_fits(o: TrainOptions) -> None:
+    """Training and evaluation windows of --seq-length + 1 bytes must fit in the text."""
+    corpus = data.load_corpus()
+    shortest = min(corpus.train.numel(), corpus.eval.numel())
+    if o.seq_length + 1 >= shortest:
+        raise UsageError(f"--seq-length {o.seq_length} is too long for the shipped text: sequences must be "
+                         f"shorter than {shortest - 1} bytes (the held-out part)")
 
 
 def _fail(message: str) -> None:
@@ -69,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         _fail(str(exc))
     threads = 1 if torch.accelerator.is_available() else max(1, (os.cpu_count() or 2) // world)
     try:
-        summary = launch(run, world, o, threads_per_rank=threads, forward_sigint=True)
+        summary = launch(run, world, o, threads_per_rank=threads, forward_sigint=True,
+                         collective_timeout_s=o.timeout)
     except LaunchInterrupted:
         print(f"{PROG}: interrupted before training started; nothing was saved", file=sys.stderr, flush=True)
         raise SystemExit(130) from None

@@ -13,7 +13,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+import flatfsdp
 from flatfsdp.checkpoint import CheckpointError
 from flatfsdp.train import data, resume
 from flatfsdp.train.interrupt import StopRequest
@@ -24,7 +26,7 @@ from flatfsdp.train.progress import make_progress
 from flatfsdp.train.report import finish_report
 from flatfsdp.train.runlog import RunLog
 from flatfsdp.train.schedule import lr_at
-from flatfsdp.train.step import eval_loss_sums, train_step
+from flatfsdp.train.step import apply_step, eval_loss_sums, forward_backward
 
 
 def run(o: TrainOptions) -> dict:
@@ -47,15 +49,20 @@ def rank_device() -> torch.device:
 
 def resolve_run_dir(o: TrainOptions) -> str:
     """Rank 0 picks (and creates) the directory; every rank gets its name."""
-    name = [None]
+    name: list = [None]
     if dist.get_rank() == 0:
         path = o.run_dir or time.strftime("runs/%Y%m%d-%H%M%S")
         base, n = path, 1
         while o.run_dir is None and os.path.exists(path):
             path, n = f"{base}-{n}", n + 1
-        os.makedirs(path, exist_ok=True)
-        name = [path]
+        try:
+            os.makedirs(path, exist_ok=True)
+            name = [path]
+        except OSError as exc:  # every rank fails the same way, none waits for the others
+            name = [UsageError(f"--run-dir {path} cannot be created: {exc.strerror or exc}")]
     dist.broadcast_object_list(name, src=0)
+    if isinstance(name[0], UsageError):
+        raise name[0]
     return name[0]
 
 
@@ -79,6 +86,10 @@ class Trainer:
         self.losses: list[tuple[int, float]] = []
         self.evals: list[tuple[int, float]] = []
         self.checkpoint: str | None = None
+        self.skipped: list[int] = []
+        """Steps skipped for NaN/inf (--on-nonfinite skip)."""
+        self.error: str | None = None
+        """Why the run stopped early, for the command to print (None: it did not)."""
 
     def _config(self) -> dict:
         return {**dataclasses.asdict(self.o), "world_size": self.world, "accumulation_steps": self.accumulation,
@@ -106,8 +117,12 @@ class Trainer:
         try:
             for step in range(self.first_step + 1, o.train_iters + 1):
                 step_started = time.perf_counter()
-                loss, interrupted = self._step(step)
-                self._record(step, loss, time.perf_counter() - step_started, progress)
+                loss, interrupted, nonfinite = self._step(step)
+                if nonfinite is None:
+                    self._record(step, loss, time.perf_counter() - step_started, progress)
+                elif self._nonfinite(step, nonfinite, progress):
+                    stopped = "nonfinite"
+                    break
                 stopped = "interrupt" if interrupted else self._exit_due(step)
                 if stopped == "interrupt":
                     self._save(o.save or os.path.join(self.run_dir, "checkpoint"), step, progress, stopped)
@@ -120,13 +135,31 @@ class Trainer:
                 self._save(o.save, step, progress, stopped)
         finally:
             progress.close()
-        return finish_report(self, time.perf_counter() - started, stopped)
+        summary = finish_report(self, time.perf_counter() - started, stopped)
+        if self.error:
+            summary["error"] = self.error
+        return summary
+
+    def _nonfinite(self, step: int, report, progress) -> bool:
+        """A step whose loss or gradients hold NaN/inf was not applied (the weights
+        are still those after the previous step). Returns whether to stop."""
+        what = report.describe(step)
+        self.log.event(step, f"non-finite: {what}")
+        if self.o.on_nonfinite == "skip":
+            self.skipped.append(step)
+            if self.rank == 0:
+                progress.note(f"skipped {what}")
+            return False
+        kept = f"; the last checkpoint, {self.checkpoint}, is kept" if self.checkpoint else ""
+        self.error = (f"{what}: stopped before the optimizer step, nothing saved{kept} "
+                      "(lower --lr, or pass --on-nonfinite skip to skip such steps)")
+        return True
 
     def _exit_due(self, step: int) -> str | None:
         every = self.o.exit_interval
         return "exit_interval" if every and step % every == 0 and step != self.o.train_iters else None
 
-    def _step(self, step: int) -> tuple[float, bool]:
+    def _step(self, step: int) -> tuple[float, bool, "flatfsdp.NonFiniteReport | None"]:
         o = self.o
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, o)
@@ -134,13 +167,22 @@ class Trainer:
                                     world=self.world, micro_batch_size=o.micro_batch_size,
                                     accumulation=self.accumulation, seq_length=o.seq_length).to(self.device)
                    for m in range(self.accumulation)]
-        totals = train_step(self.model, self.optimizer, batches, self.logits,
-                            per_token=o.calculate_per_token_loss, clip_grad=o.clip_grad)
+        totals = forward_backward(self.model, batches, self.logits, per_token=o.calculate_per_token_loss)
         flag = torch.tensor([1.0 if self.stop.requested else 0.0], dtype=torch.float64, device=self.device)
-        agreed = torch.cat([totals, flag])
-        dist.all_reduce(agreed)  # loss sum, token count, and how many ranks saw Ctrl-C
-        loss_sum, tokens, stops = agreed.tolist()
-        return loss_sum / tokens, stops > 0
+        bad = flatfsdp.local_nonfinite(self.model, totals[0]).to(self.device, torch.float64).reshape(1)
+        agreed = torch.cat([totals, flag, bad])
+        # The one all-reduce of a step: loss sum, token count, how many ranks saw
+        # Ctrl-C and how many saw NaN/inf -- before the optimizer step, which a
+        # non-finite step must not reach.
+        dist.all_reduce(agreed)
+        loss_sum, tokens, stops, nonfinite = agreed.tolist()
+        if nonfinite:
+            report = flatfsdp.nonfinite_report(self.model, totals[0])
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss_sum / tokens, stops > 0, report
+        apply_step(self.model, self.optimizer, global_tokens=tokens, per_token=o.calculate_per_token_loss,
+                   clip_grad=o.clip_grad)
+        return loss_sum / tokens, stops > 0, None
 
     def _record(self, step: int, loss: float, seconds: float, progress) -> None:
         self.losses.append((step, loss))
@@ -170,6 +212,14 @@ class Trainer:
         if self.o.save and self.losses:
             self._save(self.o.save, last, progress, "save")
 
+    def _weights_finite(self) -> bool:
+        local = [p.to_local() if isinstance(p, DTensor) else p
+                 for p in self.model.parameters()]
+        total = torch.stack([t.detach().float().sum() for t in local]).sum().reshape(1).to(self.device)
+        bad = (~torch.isfinite(total)).float()
+        dist.all_reduce(bad)
+        return bad.item() == 0
+
     def _evaluate(self, step: int, progress) -> None:
         batches = [b.to(self.device) for b in data.eval_batches(
             self.corpus.eval, count=self.o.eval_iters, rank=self.rank, world=self.world,
@@ -188,6 +238,9 @@ class Trainer:
 
     def _save(self, directory: str, step: int, progress, why: str) -> None:
         started = time.perf_counter()
+        if not self._weights_finite():  # belt and braces: never replace a good checkpoint with NaN
+            raise UsageError(f"step {step}: the weights hold NaN/inf; refusing to save them to {directory} "
+                             "(the checkpoint there, if any, is kept)")
         resume.save(directory, self.model, self.optimizer, step, self.data_flags, self.device)
         self.checkpoint = directory
         self.log.event(step, f"{why}: checkpoint {directory}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,13 @@ class TrainOptions:
     run_dir: str | None = _flag(None, "where log.json, loss.png and (without --save) an interrupt checkpoint "
                                       "go (default: runs/<date-time>)")
     no_progress: bool = _flag(False, "plain log lines instead of a live progress bar")
+    # ---- faults ----
+    on_nonfinite: str = _flag("stop", "when a step's loss or gradients are NaN/inf (checked on every step, before "
+                                      "the optimizer): stop with an error naming the step and parameters, or skip "
+                                      "the step and go on; a non-finite model is never saved",
+                              choices=["stop", "skip"])
+    timeout: float = _flag(300.0, "seconds a rank waits in a collective before failing with an error naming the "
+                                  "ranks that did not arrive")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +139,12 @@ def check_options(o: TrainOptions) -> None:
     for name in ["nproc", "global_batch_size", "save_interval", "exit_interval"]:
         if getattr(o, name) is not None and getattr(o, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(o, name)}")
+    for name, low, strict in [("lr", 0.0, True), ("min_lr", 0.0, False), ("weight_decay", 0.0, False),
+                              ("clip_grad", 0.0, False), ("timeout", 0.0, True)]:
+        value = getattr(o, name)
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            bound = "greater than" if strict else "at least"
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number {bound} {low:g}, got {value}")
     if o.eval_interval < 0 or (o.lr_warmup_iters or 0) < 0:
         raise UsageError("--eval-interval and --lr-warmup-iters must not be negative")
     if o.save_interval and not o.save:

@@ -14,7 +14,10 @@ TRAIN_COLOR, EVAL_COLOR, AXIS_COLOR, GRID_COLOR = (31, 119, 180), (214, 39, 40),
 
 def plot_losses(path: str, train: list[tuple[int, float]], evals: list[tuple[int, float]],
                 title: str = "", use_matplotlib: bool = True) -> str:
-    """Write the curve to ``path``; returns which renderer drew it."""
+    """Write the curve to ``path``; returns which renderer drew it. NaN/inf
+    points are left out (they have no place on an axis)."""
+    train = [(s, v) for s, v in train if math.isfinite(v)]
+    evals = [(s, v) for s, v in evals if math.isfinite(v)]
     if use_matplotlib:
         try:
             _matplotlib(path, train, evals, title)

@@ -15,17 +15,17 @@ import contextlib
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
 from flatfsdp.models.gpt import lm_loss
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor],
-               logits_fn: Callable, *, per_token: bool, clip_grad: float) -> torch.Tensor:
-    """Run forward/backward over ``batches`` (this rank's micro-batches), step the
-    optimizer, and return ``[sum of token losses, token count]`` on this rank (fp64)."""
+def forward_backward(model: nn.Module, batches: list[torch.Tensor], logits_fn: Callable, *,
+                     per_token: bool) -> torch.Tensor:
+    """Run forward/backward over ``batches`` (this rank's micro-batches) and wait
+    for the gradient reductions; returns ``[sum of token losses, token count]``
+    on this rank (fp64). The optimizer is not stepped: see `apply_step`."""
     totals = torch.zeros(2, dtype=torch.float64, device=batches[0].device)  # no host sync per micro-batch
     for index, batch in enumerate(batches):
         last = index == len(batches) - 1
@@ -37,20 +37,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
             (token_losses * scale).backward()
         totals[0] += token_losses.detach().double()
         totals[1] += tokens
-    model.finish_grad_sync()  # clipping and per-token scaling read the reduced gradients
+    model.finish_grad_sync()  # the finite check, clipping and per-token scaling read the reduced gradients
+    return totals
+
+
+def apply_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, global_tokens: float, per_token: bool,
+               clip_grad: float) -> None:
+    """Scale (per token), clip and step; then drop the gradients."""
     if per_token:
-        _divide_grads(model, _global_tokens(totals[1]))
+        _divide_grads(model, global_tokens)
     if clip_grad > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return totals
-
-
-def _global_tokens(local: torch.Tensor) -> float:
-    count = local.clone().reshape(1)
-    dist.all_reduce(count)
-    return count.item()
 
 
 @torch.no_grad()

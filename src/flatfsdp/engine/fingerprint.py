@@ -1,0 +1,131 @@
+"""Ranks must agree on the model they shard: check it once, at wrap time.
+
+Each rank describes the unit it is about to shard (its name, and every
+parameter's name, shape, dtype and requires_grad) and the ranks exchange one
+64-bit hash of that description: one tiny all-gather per ``fully_shard`` call.
+Only when the hashes differ do they exchange the descriptions themselves, to
+name the first parameter that differs and the ranks that differ.
+
+Without it a disagreement shows up later and far away: gloo aborts with
+"Received data size doesn't match", NCCL hangs, or -- worst -- two ranks whose
+shapes happen to pack to the same buffer size train garbage silently.
+
+``verify_replicas`` is the optional second check: that every rank starts from
+the same weights (a model initialised without a common seed, or loaded from a
+different file on one rank, otherwise trains as a silent mix of shards).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class ReplicaMismatch(ValueError):
+    """Ranks disagree on the model: what, where, and which ranks."""
+
+
+def describe(name: str, params: Iterable[tuple[str, torch.Tensor]]) -> tuple:
+    """What every rank must agree on about one unit."""
+    return (name, tuple((fqn, tuple(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad))
+                        for fqn, p in params))
+
+
+def _hash(description: tuple) -> int:
+    digest = hashlib.sha256(repr(description).encode()).digest()
+    return struct.unpack("<q", digest[:8])[0]
+
+
+def check_ranks_agree(description: tuple, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Raise ReplicaMismatch on every rank unless all ranks of ``group`` passed
+    the same ``description``. Collective over ``group``."""
+    world = group.size()
+    if world == 1:
+        return
+    mine = torch.tensor([_hash(description)], dtype=torch.int64, device=device)
+    hashes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(hashes, mine, group=group)
+    if len({int(h.item()) for h in hashes}) == 1:
+        return
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, description, group=group)
+    raise ReplicaMismatch(_first_difference(everyone, group))
+
+
+def _first_difference(descriptions: list, group: dist.ProcessGroup) -> str:
+    ranks = [dist.get_global_rank(group, r) for r in range(len(descriptions))]
+    reference = descriptions[0]
+    differ = [rank for rank, d in zip(ranks, descriptions) if d != reference]
+    other = descriptions[ranks.index(differ[0])]
+    where = f"rank {ranks[0]} vs rank(s) {', '.join(map(str, differ))}"
+    if reference[0] != other[0]:
+        return (f"ranks disagree on the model: fully_shard is sharding unit '{reference[0]}' on rank {ranks[0]} "
+                f"but unit '{other[0]}' on rank {differ[0]} ({where}); every rank must build the same model "
+                "and shard the same units in the same order")
+    for index in range(max(len(reference[1]), len(other[1]))):
+        a = reference[1][index] if index < len(reference[1]) else None
+        b = other[1][index] if index < len(other[1]) else None
+        if a != b:
+            same_name = a is not None and b is not None and a[0] == b[0]
+            what = f"parameter '{a[0]}' is" if same_name else f"parameter #{index} is"
+            return (f"ranks disagree on the model in unit '{reference[0]}': {what} {_spec(a, not same_name)} on "
+                    f"rank {ranks[0]} but {_spec(b, not same_name)} on rank {differ[0]} ({where}); every rank "
+                    "must build the same model")
+    return f"ranks disagree on the model in unit '{reference[0]}' ({where})"
+
+
+def _spec(entry, with_name: bool) -> str:
+    if entry is None:
+        return "absent"
+    fqn, shape, dtype, requires_grad = entry
+    return (f"'{fqn}' " if with_name else "") + f"{shape} {dtype} requires_grad={requires_grad}"
+
+
+# ---- the optional check of the values ------------------------------------------------------------
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of the tensor's bits (plain and position-weighted): any
+    single changed element changes them; equal weights give equal sums."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=t.device)
+    if flat.is_floating_point() or flat.is_complex():
+        flat = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                       8: torch.int64}[flat.element_size()])
+    bits = flat.to(torch.int64)
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device) % 65521 + 1
+    return torch.stack([bits.sum(), (bits * weights).sum()])
+
+
+def verify_replicas(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Raise ReplicaMismatch unless every rank of ``group`` (default: the world)
+    holds bitwise the same parameters and buffers in ``module``. Call it on the
+    unsharded model, before ``fully_shard`` (meta tensors are skipped). One
+    all-gather of two int64 checksums per tensor."""
+    group = group or dist.group.WORLD
+    device = _group_device(group)
+    tensors = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers()) if not t.is_meta]
+    check_ranks_agree(describe("<whole model>", tensors), group, device)  # same names and shapes first
+    names = [n for n, _ in tensors]
+    mine = torch.stack([_checksum(t).to(device) for _, t in tensors]) if tensors else \
+        torch.zeros(0, 2, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(gathered, mine, group=group)
+    ranks = [dist.get_global_rank(group, r) for r in range(group.size())]
+    for index, name in enumerate(names):
+        differ = [rank for rank, g in zip(ranks, gathered) if not torch.equal(g[index], gathered[0][index])]
+        if differ:
+            raise ReplicaMismatch(f"replicas start from different weights: '{name}' differs between rank {ranks[0]} "
+                                  f"and rank(s) {', '.join(map(str, differ))}; seed the initialisation the same "
+                                  "on every rank, or load the same weights everywhere")
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
