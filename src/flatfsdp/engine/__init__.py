@@ -9,7 +9,7 @@ from flatfsdp.engine.api import fully_shard, fully_shard_model
 from flatfsdp.engine.comm_account import CommAccount, comm_account
 from flatfsdp.engine.fsdp_module import FSDPModule
 from flatfsdp.engine.memory import allocated_buffer_bytes, persistent_buffer_bytes
-from flatfsdp.engine.meta_init import reset_parameters
+from flatfsdp.engine.meta_init import mark_initialized, reset_parameters
 from flatfsdp.engine.optimizer import fully_shard_optimizer
 from flatfsdp.engine.precision import MixedPrecisionPolicy
 from flatfsdp.engine.strategy import ShardingStrategy
@@ -17,4 +17,5 @@ from flatfsdp.engine.strategy import ShardingStrategy
 __all__ = [
     "CommAccount", "FSDPModule", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
     "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes", "reset_parameters",
+    "mark_initialized",
 ]
