@@ -1,0 +1,201 @@
+"""Pretrained Hugging Face checkpoints in and out of sharded models: small
+Llamas saved with transformers' own ``save_pretrained`` (one file, and shards
+with an index), built on the meta device, sharded, filled by
+``flatfsdp.load_pretrained`` at 2 and 4 ranks, compared with the unsharded
+model; fine-tuned, exported with ``flatfsdp checkpoint export --format hf`` and
+loaded back with ``from_pretrained``. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flatfsdp  # noqa: E402
+from flatfsdp import checkpoint  # noqa: E402
+from flatfsdp.checkpoint import CheckpointError  # noqa: E402
+from flatfsdp.checkpoint.cli import main as checkpoint_main  # noqa: E402
+from flatfsdp.pretrained import hf_model_on_meta, hf_unit_classes  # noqa: E402
+from harness import run_ranks  # noqa: E402
+
+TOKENS = torch.arange(24).reshape(2, 12) * 7 % 300
+
+
+def _config(tied: bool, **sizes):
+    shape = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, max_position_embeddings=64)
+    shape.update(sizes)
+    return transformers.LlamaConfig(tie_word_embeddings=tied, use_cache=False, **shape)
+
+
+def _save(model, path, **kwargs) -> str:
+    model.save_pretrained(path, **kwargs)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    torch.manual_seed(0)
+    tied = transformers.LlamaForCausalLM(_config(tied=True))
+    untied = transformers.LlamaForCausalLM(_config(tied=False))
+    with torch.no_grad():  # non-trivial norms, so a norm left at ones shows
+        for model in (tied, untied):
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+    out = {"tied": _save(tied, root / "tied"),  # one model.safetensors
+           "tied_sharded": _save(tied, root / "tied_sharded", max_shard_size="100KB"),
+           "untied_sharded": _save(untied, root / "untied_sharded", max_shard_size="100KB"),
+           "untied_bf16": _save(untied.to(torch.bfloat16), root / "untied_bf16")}
+    assert (root / "tied_sharded" / "model.safetensors.index.json").is_file()
+    assert not (root / "tied" / "model.safetensors.index.json").is_file()
+    return out
+
+
+# ---- in one process: names, errors ----------------------------------------------------------
+
+
+def test_names_may_differ_by_a_prefix_either_way(saved, tmp_path):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(saved["tied"])
+    base = _save(reference.model, tmp_path / "base")  # layers.0...., no lm_head: tied to the embedding
+    head = transformers.LlamaForCausalLM(_config(tied=True))
+    report = flatfsdp.load_pretrained(head, base)
+    assert report.rewrite == ("model.", "")
+    torch.testing.assert_close(head(TOKENS).logits, reference(TOKENS).logits, rtol=0, atol=0)
+    body = transformers.LlamaModel(_config(tied=True))
+    assert flatfsdp.load_pretrained(body, saved["tied"]).rewrite == ("", "model.")
+
+
+def test_missing_unexpected_and_mismatched_are_listed(saved):
+    other = transformers.LlamaForCausalLM(_config(tied=False, num_hidden_layers=3, intermediate_size=96))
+    with pytest.raises(CheckpointError) as info:
+        flatfsdp.load_pretrained(other, saved["tied"])
+    message = str(info.value)
+    # layer 2's nine tensors, and lm_head (the checkpoint's is tied to the embedding: not saved)
+    assert "10 missing from the checkpoint: model.layers.2.self_attn.q_proj.weight" in message
+    assert "... (2 more)" in message
+    assert "6 shape differs: model.layers.0.mlp.gate_proj.weight is (128, 64) there, (96, 64) here" in message
+    smaller = transformers.LlamaForCausalLM(_config(tied=True, num_hidden_layers=1))
+    with pytest.raises(CheckpointError, match=r"9 not in the model: model\.layers\.1\."):
+        flatfsdp.load_pretrained(smaller, saved["tied"])
+    report = flatfsdp.load_pretrained(smaller, saved["tied"], strict=False)
+    assert len(report.unexpected) == 9 and report.tensors == 11  # embedding (tied), layer 0, norm
+
+
+def test_unreadable_checkpoints_are_clear_errors(saved, tmp_path):
+    model = transformers.LlamaForCausalLM(_config(tied=True))
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor"):
+        flatfsdp.load_pretrained(model, tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}))
+    with pytest.raises(CheckpointError, match="is not a file name in"):
+        flatfsdp.load_pretrained(model, tmp_path)
+    with torch.device("meta"):
+        unsharded_meta = transformers.LlamaForCausalLM(_config(tied=True))
+    with pytest.raises(CheckpointError, match="on the meta device"):
+        flatfsdp.load_pretrained(unsharded_meta, saved["tied"])
+
+
+# ---- 2 ranks: every strategy, both front doors, bf16; fine-tune and export ---------------------
+
+
+def _sharded(path: str, strategy, front_door: str, param_dtype=None):
+    model = hf_model_on_meta(path)
+    policy = flatfsdp.MixedPrecisionPolicy(param_dtype=param_dtype)
+    if front_door == "fsdp2":
+        for layer in model.model.layers:
+            flatfsdp.fully_shard(layer, mp_policy=policy)
+        return flatfsdp.fully_shard(model, mp_policy=policy)
+    return flatfsdp.fully_shard(model, fsdp_unit_modules=hf_unit_classes(model), zero_dp_strategy=strategy,
+                                mixed_precision_policy=policy)
+
+
+def _reference(path: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+CASES = [  # (checkpoint, strategy, front door, compute dtype)
+    ("tied", 3, "megatron", None), ("tied_sharded", 2, "megatron", None), ("untied_sharded", 1, "megatron", None),
+    ("untied_sharded", 3, "fsdp2", None), ("untied_bf16", 3, "megatron", None),
+    ("tied_sharded", 3, "megatron", torch.bfloat16), ("untied_sharded", 2, "megatron", torch.bfloat16),
+]
+
+
+def load_worker(rank, world, saved, ckpt_dir):
+    out = {}
+    for name, strategy, door, dtype in CASES:
+        model = _sharded(saved[name], strategy, door, dtype)
+        report = flatfsdp.load_pretrained(model, saved[name])
+        reference = _reference(saved[name])
+        weights = max((p.full_tensor() - reference.get_parameter(n)).abs().max().item()
+                      for n, p in model.named_parameters())
+        with torch.no_grad():
+            logits = (model(TOKENS).logits.float() - reference(TOKENS).logits).abs().max().item()
+        out[(name, strategy, door, dtype)] = {"weights": weights, "logits": logits, "report": report}
+    # Fine-tune the tied model a few steps, then save it as `flatfsdp train --hf-model` does.
+    model = _sharded(saved["tied_sharded"], 3, "megatron")
+    optimizer = flatfsdp.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    flatfsdp.load_pretrained(model, saved["tied_sharded"])
+    losses = []
+    for step in range(3):
+        batch = (TOKENS + 31 * (step * world + rank)) % 300
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        out["tuned_logits"] = model(TOKENS).logits
+    checkpoint.save({"model": model.state_dict(), checkpoint.HF_CONFIG_ENTRY: model.config.to_json_string()},
+                    ckpt_dir)
+    out["losses"] = losses
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(saved, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("tuned") / "ckpt")
+    results = run_ranks(load_worker, 2, saved, ckpt, timeout=600)
+    return results, ckpt
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_loads_sharded_at_two_ranks_like_the_unsharded_model(two_ranks, case):
+    for rank_result in two_ranks[0]:
+        got = rank_result[case]
+        assert got["weights"] == 0.0  # main weights: the checkpoint's values, converted exactly
+        assert got["logits"] <= (0.0 if case[3] is None else 0.05), got
+        assert got["report"].temporary_bytes == 0
+
+
+def test_each_rank_reads_only_its_own_rows(two_ranks, saved):
+    reports = [r[("tied_sharded", 2, "megatron", None)]["report"] for r in two_ranks[0]]
+    total = sum(p.numel() * 4 for p in _reference(saved["tied_sharded"]).parameters())
+    assert sum(r.bytes_read for r in reports) == total  # fp32 file: every row read once, by one rank
+    assert all(r.files == 4 and r.tensors == 20 for r in reports)
+
+
+def test_fine_tuned_model_exports_to_hugging_face_format(two_ranks, tmp_path):
+    results, ckpt = two_ranks
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+    out = tmp_path / "hf"
+    checkpoint_main(["export", "--format", "hf", ckpt, str(out), "--max-shard-mib", "0"])
+    files = sorted(p.name for p in out.iterdir())
+    assert "config.json" in files and "model.safetensors.index.json" in files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]  # tied: written once, as save_pretrained does
+    assert len(set(index["weight_map"].values())) == len(index["weight_map"]) == 20  # one file each
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    with torch.no_grad():
+        diff = (exported(TOKENS).logits - results[0]["tuned_logits"]).abs().max().item()
+    assert diff <= 1e-6, diff
+    one_file = tmp_path / "one"
+    checkpoint.export_hf(ckpt, one_file)
+    assert sorted(p.name for p in one_file.iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(CheckpointError, match="will not overwrite"):
+        checkpoint.export_hf(ckpt, one_file)
