@@ -24,6 +24,11 @@ from harness import run_ranks  # noqa: E402
 TOKENS = torch.arange(24).reshape(2, 12) * 7 % 300
 
 
+BUDGET = 8 << 20
+"""The loader's fixed memory budget (docs/pretrained.md): Python objects, headers,
+pages mapped around each region's ends."""
+
+
 def _config(tied: bool, **sizes):
     shape = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, max_position_embeddings=64)
@@ -51,6 +56,10 @@ def saved(tmp_path_factory):
            "tied_sharded": _save(tied, root / "tied_sharded", max_shard_size="100KB"),
            "untied_sharded": _save(untied, root / "untied_sharded", max_shard_size="100KB"),
            "untied_bf16": _save(untied.to(torch.bfloat16), root / "untied_bf16")}
+    # For memory: 11.5M parameters (46 MB in fp32), the largest 4 MB; 5 files.
+    big = transformers.LlamaForCausalLM(_config(tied=False, vocab_size=4096, hidden_size=256, num_hidden_layers=12,
+                                                num_attention_heads=8, num_key_value_heads=4, intermediate_size=768))
+    out["big"] = _save(big, root / "big", max_shard_size="10MB")
     assert (root / "tied_sharded" / "model.safetensors.index.json").is_file()
     assert not (root / "tied" / "model.safetensors.index.json").is_file()
     return out
@@ -125,8 +134,25 @@ CASES = [  # (checkpoint, strategy, front door, compute dtype)
 ]
 
 
+def _measured_load(path: str) -> dict:
+    """Load ``path`` into a meta-built ZeRO-3 model; peak resident memory above
+    the moment before the load, against the documented bound."""
+    from flatfsdp.bench.memory import PeakMemory
+
+    model = _sharded(path, 3, "megatron")
+    params = list(model.parameters())
+    shard = sum(p.to_local().numel() * p.to_local().element_size() for p in params)
+    largest = max(p.numel() * p.element_size() for p in params)
+    probe = PeakMemory(torch.device("cpu"))
+    report = flatfsdp.load_pretrained(model, path)
+    return {"peak": probe.peak_bytes(), "exact": probe.mark_reset, "shard": shard, "largest": largest,
+            "report": report, "model": model}
+
+
 def load_worker(rank, world, saved, ckpt_dir):
-    out = {}
+    measured = _measured_load(saved["big"])
+    del measured["model"]
+    out = {"memory": measured}
     for name, strategy, door, dtype in CASES:
         model = _sharded(saved[name], strategy, door, dtype)
         report = flatfsdp.load_pretrained(model, saved[name])
@@ -199,3 +225,35 @@ def test_fine_tuned_model_exports_to_hugging_face_format(two_ranks, tmp_path):
     assert sorted(p.name for p in one_file.iterdir()) == ["config.json", "model.safetensors"]
     with pytest.raises(CheckpointError, match="will not overwrite"):
         checkpoint.export_hf(ckpt, one_file)
+
+
+# ---- memory, and 4 ranks --------------------------------------------------------------------
+
+
+def _check_memory(measured: dict) -> None:
+    report = measured["report"]
+    # What the loader read is exactly this rank's shard (fp32 file into fp32 main weights).
+    assert report.bytes_read == measured["shard"] and report.temporary_bytes == 0
+    bound = measured["shard"] + measured["largest"] + BUDGET
+    if measured["exact"]:  # the kernel let us reset the high-water mark
+        assert measured["peak"] <= bound, measured
+
+
+def test_loading_memory_at_two_ranks_is_bounded(two_ranks):
+    for rank_result in two_ranks[0]:
+        _check_memory(rank_result["memory"])
+
+
+def four_rank_worker(rank, world, path):
+    measured = _measured_load(path)
+    model = measured.pop("model")
+    reference = _reference(path)
+    with torch.no_grad():
+        measured["logits"] = (model(TOKENS).logits - reference(TOKENS).logits).abs().max().item()
+    return measured
+
+
+def test_four_ranks_load_within_the_memory_bound_and_match(saved):
+    for measured in run_ranks(four_rank_worker, 4, saved["big"], timeout=600):
+        _check_memory(measured)
+        assert measured["logits"] == 0.0
