@@ -113,3 +113,10 @@ def test_a_vocabulary_too_small_for_byte_tokens_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--hf-model", str(tmp_path)])
     assert "its vocabulary (100 tokens) is smaller than the 256 byte values" in capsys.readouterr().err
+
+
+def test_a_directory_without_a_model_is_refused(tmp_path, capsys):
+    from flatfsdp.train.command import main
+    with pytest.raises(SystemExit):
+        main(["--hf-model", str(tmp_path / "nowhere")])
+    assert "no config.json there (a local Hugging Face model directory" in capsys.readouterr().err

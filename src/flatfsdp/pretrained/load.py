@@ -90,25 +90,35 @@ def load_pretrained(model: torch.nn.Module, path, *, strict: bool = True) -> Loa
 
 
 def _copy_all(sources, entries) -> dict:
-    from flatfsdp.checkpoint.safetensors_format import SafetensorsFile
-
-    read = largest = temporary = files = 0
+    totals = {"bytes_read": 0, "largest_read_bytes": 0, "temporary_bytes": 0, "files": 0}
     by_file = sorted(sources, key=lambda s: entries[s[1]].file)
     for file_path, members in groupby(by_file, key=lambda s: entries[s[1]].file):
-        file = SafetensorsFile(file_path)  # dropped after its tensors: the map and its pages go with it
-        files += 1
-        for target, name in members:
-            region = local_region(target.tensor)
-            local = local_tensor(target.tensor)
-            if tuple(local.shape) != region_shape(region):
-                raise CheckpointError(f"{name}: the local shard is {tuple(local.shape)}, its placements "
-                                      f"say {region_shape(region)}")
-            source = file.tensor(name)
-            if not file.is_aligned(name):
-                temporary = max(temporary, source.numel() * source.element_size())
-            piece = source[region]
-            local.copy_(piece)
-            nbytes = piece.numel() * piece.element_size()
-            read, largest = read + nbytes, max(largest, nbytes)
-        del file
-    return {"bytes_read": read, "largest_read_bytes": largest, "temporary_bytes": temporary, "files": files}
+        read, largest, temporary = _copy_file(file_path, list(members))
+        totals["bytes_read"] += read
+        totals["largest_read_bytes"] = max(totals["largest_read_bytes"], largest)
+        totals["temporary_bytes"] = max(totals["temporary_bytes"], temporary)
+        totals["files"] += 1
+    return totals
+
+
+def _copy_file(file_path: str, members) -> tuple[int, int, int]:
+    """Copy each member's region out of one file. Every view of the file's map
+    dies with this frame, and the map and its pages with them."""
+    from flatfsdp.checkpoint.safetensors_format import SafetensorsFile
+
+    file = SafetensorsFile(file_path)
+    read = largest = temporary = 0
+    for target, name in members:
+        region = local_region(target.tensor)
+        local = local_tensor(target.tensor)
+        if tuple(local.shape) != region_shape(region):
+            raise CheckpointError(f"{name}: the local shard is {tuple(local.shape)}, its placements "
+                                  f"say {region_shape(region)}")
+        source = file.tensor(name)
+        if not file.is_aligned(name):
+            temporary = max(temporary, source.numel() * source.element_size())
+        piece = source[region]
+        local.copy_(piece)
+        nbytes = piece.numel() * piece.element_size()
+        read, largest = read + nbytes, max(largest, nbytes)
+    return read, largest, temporary

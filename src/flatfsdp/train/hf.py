@@ -7,6 +7,7 @@ filled from its safetensors by each rank's own shards (flatfsdp.load_pretrained)
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 from torch import nn
@@ -67,6 +68,9 @@ def check_pretrained(path: str) -> None:
     and its vocabulary takes the byte tokens of the built-in data."""
     from transformers import AutoConfig
 
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--hf-model {path}: no config.json there (a local Hugging Face model directory; "
+                         "nothing is downloaded)")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         checkpoint_entries(path)
