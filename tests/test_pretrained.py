@@ -60,6 +60,9 @@ def saved(tmp_path_factory):
     big = transformers.LlamaForCausalLM(_config(tied=False, vocab_size=4096, hidden_size=256, num_hidden_layers=12,
                                                 num_attention_heads=8, num_key_value_heads=4, intermediate_size=768))
     out["big"] = _save(big, root / "big", max_shard_size="10MB")
+    out["with_table"] = str(root / "with_table.safetensors")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file(_WithTable().state_dict(), out["with_table"])
     assert (root / "tied_sharded" / "model.safetensors.index.json").is_file()
     assert not (root / "tied" / "model.safetensors.index.json").is_file()
     return out
@@ -149,10 +152,31 @@ def _measured_load(path: str) -> dict:
             "report": report, "model": model}
 
 
+class _WithTable(torch.nn.Module):
+    """A module whose non-persistent buffer only its constructor computes, beside
+    its own parameter (so meta-device sharding gives the buffer storage, uninitialised)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4, 4))
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+def _meta_buffer_error(path: str) -> str:
+    with torch.device("meta"):
+        model = _WithTable()
+    flatfsdp.fully_shard(model)
+    try:
+        flatfsdp.load_pretrained(model, path)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def load_worker(rank, world, saved, ckpt_dir):
     measured = _measured_load(saved["big"])
     del measured["model"]
-    out = {"memory": measured}
+    out = {"memory": measured, "meta_buffer": _meta_buffer_error(saved["with_table"])}
     for name, strategy, door, dtype in CASES:
         model = _sharded(saved[name], strategy, door, dtype)
         report = flatfsdp.load_pretrained(model, saved[name])
@@ -196,6 +220,11 @@ def test_loads_sharded_at_two_ranks_like_the_unsharded_model(two_ranks, case):
         assert got["weights"] == 0.0  # main weights: the checkpoint's values, converted exactly
         assert got["logits"] <= (0.0 if case[3] is None else 0.05), got
         assert got["report"].temporary_bytes == 0
+
+
+def test_a_meta_built_buffer_no_checkpoint_holds_is_an_error(two_ranks):
+    for rank_result in two_ranks[0]:
+        assert rank_result["meta_buffer"].startswith("non-persistent buffers table were built on the meta device")
 
 
 def test_each_rank_reads_only_its_own_rows(two_ranks, saved):

@@ -115,11 +115,19 @@ def mark_initialized(model: nn.Module) -> nn.Module:
     its intended values, written in place into each rank's shard (e.g. by
     ``flatfsdp.load_pretrained``): the deferred meta-device initialisation of
     its units is dropped -- it would overwrite them -- and every unit re-casts
-    and re-gathers its weights before their next use."""
-    for module in model.modules():
-        state = getattr(module, "_flatfsdp_state", None)
-        if state is None:
-            continue
+    and re-gathers its weights before their next use.
+
+    Raises, changing nothing, where a module awaiting initialisation has
+    non-persistent buffers: built on the meta device, only its initialisation
+    would compute them (no checkpoint holds them)."""
+    states = [s for s in (getattr(m, "_flatfsdp_state", None) for m in model.modules()) if s is not None]
+    unfilled = [_model_name(_model_name(state.path, path), name) for state in states for path, module in
+                state.pending_init for name in sorted(module._non_persistent_buffers_set)]
+    if unfilled:
+        raise ValueError(f"non-persistent buffers {', '.join(unfilled)} were built on the meta device and only "
+                         "initialisation computes them: build them on a real device (only parameters need the "
+                         "meta device)")
+    for state in states:
         state.pending_init = []
         for group in state.groups:
             group.note_weights_written()
