@@ -1,15 +1,19 @@
 """flatfsdp: fully sharded data parallelism over flat, zero-copy buffers."""
 
-from flatfsdp.engine import (CommAccount, FSDPModule, UnshardHandle, register_fsdp_forward_method, MixedPrecisionPolicy, ShardingStrategy,
+from flatfsdp.engine import (CommAccount, FSDPModule, MixedPrecisionPolicy, ShardingStrategy, UnshardHandle,
                              allocated_buffer_bytes, comm_account, fully_shard, fully_shard_model,
-                             fully_shard_optimizer, persistent_buffer_bytes, reset_parameters)
+                             fully_shard_optimizer, mark_initialized, persistent_buffer_bytes,
+                             register_fsdp_forward_method, reset_parameters)
 from flatfsdp.engine import (NonFiniteError, NonFiniteReport, ReplicaMismatch, check_finite, local_nonfinite,
                              nonfinite_report, verify_replicas)
 from flatfsdp.engine import TIMEOUT_ENV, CollectiveTimeout
+from flatfsdp.pretrained import load_pretrained  # noqa: E402 (an application on the names above)
 
 __all__ = [
-    "CommAccount", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
-    "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes", "reset_parameters",
+    "CommAccount", "FSDPModule", "MixedPrecisionPolicy", "ShardingStrategy", "UnshardHandle", "comm_account",
+    "fully_shard", "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes",
+    "register_fsdp_forward_method", "reset_parameters",
     "NonFiniteError", "NonFiniteReport", "ReplicaMismatch", "check_finite", "local_nonfinite", "nonfinite_report",
     "verify_replicas", "CollectiveTimeout", "TIMEOUT_ENV",
+    "mark_initialized", "load_pretrained",
 ]

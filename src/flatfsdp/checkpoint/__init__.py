@@ -2,15 +2,18 @@
 export and import them. See docs/checkpoints.md.
 
 `save`/`load` work with or without an initialised process group; the tools
-(`summarize`, `export_checkpoint`, `import_state_dict`, the `flatfsdp
+(`summarize`, `export_checkpoint`, `export_hf`, `import_state_dict`, the `flatfsdp
 checkpoint` command) run in a single process.
 """
 
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import export_checkpoint
+from flatfsdp.checkpoint.hf_export import CONFIG_ENTRY as HF_CONFIG_ENTRY
+from flatfsdp.checkpoint.hf_export import export_hf
 from flatfsdp.checkpoint.import_ import import_state_dict
 from flatfsdp.checkpoint.inspect import summarize
 from flatfsdp.checkpoint.manifest import MANIFEST_NAME
 from flatfsdp.checkpoint.save_load import check_save_target, load, save
 
-__all__ = ["CheckpointError", "MANIFEST_NAME", "check_save_target", "export_checkpoint", "import_state_dict", "load", "save", "summarize"]
+__all__ = ["CheckpointError", "HF_CONFIG_ENTRY", "MANIFEST_NAME", "check_save_target", "export_checkpoint", "export_hf",
+           "import_state_dict", "load", "save", "summarize"]

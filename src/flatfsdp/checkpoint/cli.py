@@ -12,6 +12,7 @@ import sys
 
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import export_checkpoint
+from flatfsdp.checkpoint.hf_export import export_hf
 from flatfsdp.checkpoint.import_ import import_state_dict
 from flatfsdp.checkpoint.inspect import format_table, summarize
 
@@ -24,9 +25,16 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("directory")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.add_argument("--verify", action="store_true", help="also check every file's sha256 (reads all data)")
-    export = commands.add_parser("export", help="consolidate into one .safetensors (streamed) or .pt file")
+    export = commands.add_parser("export", help="consolidate into one .safetensors (streamed) or .pt file, "
+                                                "or a Hugging Face model directory (--format hf)")
     export.add_argument("directory")
-    export.add_argument("output", help="OUT.safetensors or OUT.pt")
+    export.add_argument("output", help="OUT.safetensors or OUT.pt; with --format hf a new directory")
+    export.add_argument("--format", choices=["file", "hf"], default="file",
+                        help="hf: config.json and safetensors shards that transformers' from_pretrained loads")
+    export.add_argument("--config", help="--format hf: the model's config.json (default: the one the "
+                                         "checkpoint holds, saved by flatfsdp train --hf-model)")
+    export.add_argument("--max-shard-mib", type=int, default=4096,
+                        help="--format hf: largest safetensors file before splitting, with an index (default 4096)")
     export.add_argument("--prefix", default="model.",
                         help="export keys starting with this, with it removed from the names (default: model.)")
     export.add_argument("--all", action="store_true", help="export every entry under its full name")
@@ -45,6 +53,12 @@ def _inspect(args) -> None:
 
 def _export(args) -> None:
     prefix = "" if args.all else args.prefix
+    if args.format == "hf":
+        counts = export_hf(args.directory, args.output, config=args.config, prefix=prefix,
+                           max_shard_bytes=args.max_shard_mib << 20, budget_bytes=args.budget_mib << 20)
+        print(f"wrote {counts['tensors']} tensors ({counts['bytes']:,} bytes) in {counts['files']} safetensors "
+              f"file(s) and config.json to {args.output}")
+        return
     counts = export_checkpoint(args.directory, args.output, prefix=prefix, budget_bytes=args.budget_mib << 20)
     objects = f" and {counts['objects']} non-tensor entries" if counts["objects"] else ""
     skipped = (f"; skipped {counts['skipped_objects']} non-tensor entries (safetensors holds tensors only)"

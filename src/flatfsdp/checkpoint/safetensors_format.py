@@ -8,7 +8,8 @@ bytes of each tensor. The safetensors Python API takes or returns a whole dict;
 exporting a model larger than memory needs the format itself: every shape and
 dtype is known from the DCP metadata up front, so the header is written first
 and tensors follow as they are loaded. Reading maps the file (copy-on-write,
-so nothing is loaded until used and the file is never written) and checks
+so nothing is loaded until used and the file is never written; a reader that
+needs one rank's rows of a tensor reads only their pages) and checks
 every header entry against the file before a tensor is made from it: a header
 is untrusted JSON, never code.
 """
@@ -93,45 +94,64 @@ def _bytes_view(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+class SafetensorsFile:
+    """One .safetensors file, opened lazily: the header is read and checked now;
+    ``tensor(name)`` is a view of a private memory map of the file, so only the
+    pages of the elements a caller touches are ever read (slicing a view first
+    reads only that slice). Raises CheckpointError naming the file if anything
+    in it does not add up (truncation, bad header, offsets outside the data)."""
+
+    def __init__(self, path: str):
+        if sys.byteorder != "little":
+            raise CheckpointError("reading safetensors needs a little-endian machine")
+        self.path = path
+        size = os.path.getsize(path)
+        if size < 8:
+            raise self._corrupted(f"{size} bytes, shorter than the 8-byte header length")
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise self._corrupted(f"header length {header_len} exceeds the file")
+            try:
+                header = json.loads(f.read(header_len))
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise self._corrupted(f"header is not JSON: {exc}") from None
+            if not isinstance(header, dict):
+                raise self._corrupted("header is not a JSON object")
+            self._data_start, data_len = 8 + header_len, size - 8 - header_len
+            self.entries: dict[str, tuple[torch.dtype, tuple, int, int]] = {
+                name: _checked_entry(name, spec, data_len, self._corrupted)
+                for name, spec in header.items() if name != "__metadata__"}
+            """name -> (dtype, shape, begin, end): the checked header."""
+            self._raw = None
+            if self.entries:
+                # ACCESS_COPY: writable (torch.frombuffer needs that) but private, so
+                # nothing ever reaches the file; pages load on first touch.
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._raw = torch.frombuffer(mapped, dtype=torch.uint8)
+
+    def _corrupted(self, why: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: truncated or corrupted safetensors file ({why})")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor ``name``: a view of the map (nothing read yet), or -- where
+        its offset does not suit its dtype -- a copy."""
+        dtype, shape, begin, end = self.entries[name]
+        piece = self._raw[self._data_start + begin:self._data_start + end]
+        if (self._data_start + begin) % dtype.itemsize:
+            piece = piece.clone()  # views of another dtype need aligned offsets
+        return piece.view(dtype).view(shape)
+
+    def is_aligned(self, name: str) -> bool:
+        dtype, _shape, begin, _end = self.entries[name]
+        return (self._data_start + begin) % dtype.itemsize == 0
+
+
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` of a .safetensors file, the tensors backed by a private
-    memory map of it. Raises CheckpointError naming the file if anything in it
-    does not add up (truncation, bad header, offsets outside the data)."""
-    if sys.byteorder != "little":
-        raise CheckpointError("reading safetensors needs a little-endian machine")
-    size = os.path.getsize(path)
-
-    def corrupted(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: truncated or corrupted safetensors file ({why})")
-
-    if size < 8:
-        raise corrupted(f"{size} bytes, shorter than the 8-byte header length")
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise corrupted(f"header length {header_len} exceeds the file")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise corrupted(f"header is not JSON: {exc}") from None
-        if not isinstance(header, dict):
-            raise corrupted("header is not a JSON object")
-        data_start, data_len = 8 + header_len, size - 8 - header_len
-        entries = {name: _checked_entry(name, spec, data_len, corrupted)
-                   for name, spec in header.items() if name != "__metadata__"}
-        if not entries:
-            return {}
-        # ACCESS_COPY: writable (torch.frombuffer needs that) but private, so
-        # nothing ever reaches the file; pages load on first touch.
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    raw = torch.frombuffer(mapped, dtype=torch.uint8)
-    out = {}
-    for name, (dtype, shape, begin, end) in entries.items():
-        piece = raw[data_start + begin:data_start + end]
-        if (data_start + begin) % dtype.itemsize:
-            piece = piece.clone()  # views of another dtype need aligned offsets
-        out[name] = piece.view(dtype).view(shape)
-    return out
+    memory map of it (see SafetensorsFile)."""
+    file = SafetensorsFile(path)
+    return {name: file.tensor(name) for name in file.entries}
 
 
 def _checked_entry(name: str, spec, data_len: int, corrupted) -> tuple[torch.dtype, tuple, int, int]:

@@ -12,7 +12,7 @@ from flatfsdp.engine.finite_check import (NonFiniteError, NonFiniteReport, check
 from flatfsdp.engine.fingerprint import ReplicaMismatch, verify_replicas
 from flatfsdp.engine.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from flatfsdp.engine.memory import allocated_buffer_bytes, persistent_buffer_bytes
-from flatfsdp.engine.meta_init import reset_parameters
+from flatfsdp.engine.meta_init import mark_initialized, reset_parameters
 from flatfsdp.engine.optimizer import fully_shard_optimizer
 from flatfsdp.engine.precision import MixedPrecisionPolicy
 from flatfsdp.engine.strategy import ShardingStrategy
@@ -24,4 +24,5 @@ __all__ = [
     # reliability (docs/reliability.md)
     "NonFiniteError", "NonFiniteReport", "ReplicaMismatch", "check_finite", "local_nonfinite", "nonfinite_report",
     "verify_replicas", "CollectiveTimeout", "TIMEOUT_ENV",
+    "mark_initialized",
 ]

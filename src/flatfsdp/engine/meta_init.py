@@ -8,6 +8,11 @@ independent of rank, of world size and of the order units are sharded in, and
 normally in one process. Initialisation waits for the first use (forward,
 state_dict, unshard), when the outermost ``fully_shard`` call has named every
 module; until then a unit holds only its (uninitialised) flat buffers.
+
+A model whose weights come from elsewhere (a pretrained checkpoint written
+into each rank's shard) needs no initialisation at all: ``mark_initialized``
+drops it, so such modules need no ``reset_parameters()`` either -- which is
+why that method is only required when initialisation actually runs.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ def reset_parameters(model: nn.Module, seed: int) -> nn.Module:
 def _require_reset(module: nn.Module, name: str) -> None:
     if not callable(getattr(module, "reset_parameters", None)):
         raise ValueError(f"module '{name or '<root>'}' ({type(module).__name__}) has parameters on the meta device "
-                         "but no reset_parameters() to initialise them: give it one, or build it on a real device")
+                         "but no reset_parameters() to initialise them: give it one, build it on a real device, "
+                         "or fill its weights first (flatfsdp.load_pretrained)")
 
 
 def materialize_meta(units: list[nn.Module], slots: list, device: torch.device,
@@ -62,7 +68,6 @@ def materialize_meta(units: list[nn.Module], slots: list, device: torch.device,
     pending = []
     for index, name, module in ((i, n, m) for i, unit in enumerate(units) for n, m in unit.named_modules()):
         if any(id(p) in meta for p in module._parameters.values() if p is not None):
-            _require_reset(module, name)
             pending.append((index, name, module))
             for key, buf in module._buffers.items():
                 if buf is not None and buf.is_meta:
@@ -81,9 +86,12 @@ def materialize_meta(units: list[nn.Module], slots: list, device: torch.device,
 def initialize_pending(state) -> None:
     """Run the deferred ``reset_parameters()`` of a unit's modules into a
     temporary full copy of each group (main dtype), keep this rank's chunks."""
-    pending, state.pending_init = state.pending_init, []
+    pending = state.pending_init
     if not pending:
         return
+    for index, path, module in pending:  # before any change: a failed check leaves the unit as it was
+        _require_reset(module, _model_name(state.paths[index], path))
+    state.pending_init = []
     temps, saved = [], []
     for group in state.groups:
         temp = torch.empty(group.layout.unsharded_numel, dtype=group.main.dtype, device=group.main.device)
@@ -106,6 +114,31 @@ def initialize_pending(state) -> None:
                 param.data = old[index]
             group.use_sharded_params()
             group.note_weights_written()
+
+
+def mark_initialized(model: nn.Module) -> nn.Module:
+    """Declare that every parameter of ``model`` (sharded by flatfsdp) now holds
+    its intended values, written in place into each rank's shard (e.g. by
+    ``flatfsdp.load_pretrained``): the deferred meta-device initialisation of
+    its units is dropped -- it would overwrite them -- and every unit re-casts
+    and re-gathers its weights before their next use.
+
+    Raises, changing nothing, where a module awaiting initialisation has
+    non-persistent buffers: built on the meta device, only its initialisation
+    would compute them (no checkpoint holds them)."""
+    states = list({id(s): s for s in (getattr(m, "_flatfsdp_state", None) for m in model.modules())
+                   if s is not None}.values())
+    unfilled = [_model_name(_model_name(state.paths[index], path), name) for state in states
+                for index, path, module in state.pending_init for name in sorted(module._non_persistent_buffers_set)]
+    if unfilled:
+        raise ValueError(f"non-persistent buffers {', '.join(unfilled)} were built on the meta device and only "
+                         "initialisation computes them: build them on a real device (only parameters need the "
+                         "meta device)")
+    for state in states:
+        state.pending_init = []
+        for group in state.groups:
+            group.note_weights_written()
+    return model
 
 
 def _model_name(unit_path: str, path_in_unit: str) -> str:

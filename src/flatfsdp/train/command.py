@@ -49,8 +49,10 @@ def check_before_launch(o: TrainOptions) -> int:
     if not under_torchrun() and torch.accelerator.is_available() and world > torch.accelerator.device_count():
         raise UsageError(f"--nproc {world} is more than the {torch.accelerator.device_count()} accelerators here")
     accumulation_steps(o, world)
-    if o.hf_model:
+    if o.hf_model is not None:
         hf.require_transformers()
+    if o.hf_model:
+        hf.check_pretrained(o.hf_model)
     if o.load:
         resume.check_loadable(o.load, expected_model_shapes(o))
     check_paths(o)

@@ -78,6 +78,7 @@ class Trainer:
         built = build_model(o, self.device)
         self.parameters = sum(p.numel() for p in built.model.parameters())
         self.logits = built.logits
+        self.hf_config = built.hf_config
         self.model, self.optimizer = shard(built, o)
         self.data_flags = {"seed": o.seed, "global_batch_size": o.micro_batch_size * self.world * self.accumulation,
                            "seq_length": o.seq_length}
@@ -241,7 +242,7 @@ class Trainer:
         if not self._weights_finite():  # belt and braces: never replace a good checkpoint with NaN
             raise UsageError(f"step {step}: the weights hold NaN/inf; refusing to save them to {directory} "
                              "(the checkpoint there, if any, is kept)")
-        resume.save(directory, self.model, self.optimizer, step, self.data_flags, self.device)
+        resume.save(directory, self.model, self.optimizer, step, self.data_flags, self.device, self.hf_config)
         self.checkpoint = directory
         self.log.event(step, f"{why}: checkpoint {directory}")
         if self.rank == 0:

@@ -23,6 +23,10 @@ class BuiltModel:
     """``fsdp_unit_modules``: classes or import-path strings."""
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     """tokens [batch, seq] -> logits [batch, seq, vocab], whatever the model's calling convention."""
+    pretrained: str | None = None
+    """A Hugging Face directory whose weights fill the model once sharded (it is built on the meta device)."""
+    hf_config: str | None = None
+    """A transformers model's config as JSON: saved with checkpoints, so they export to Hugging Face format."""
 
 
 def _gpt_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -34,10 +38,13 @@ def build_model(o: TrainOptions, device: torch.device) -> BuiltModel:
     initialised with ``flatfsdp.reset_parameters(model, seed)``, the very values
     meta-device initialisation produces, so the same seed gives the same model
     with or without ``--init-model-with-meta-device``."""
-    if o.hf_model:
+    if o.hf_model:  # a directory
+        model, units = hf.build_pretrained(o, device)
+        return BuiltModel(model, units, hf.llama_logits, pretrained=o.hf_model, hf_config=hf.config_json(model))
+    if o.hf_model is not None:  # bare --hf-model
         torch.manual_seed(o.seed)
         model = hf.build_llama(o, VOCAB_SIZE)
-        return BuiltModel(model.to(device), [hf.LLAMA_UNIT], hf.llama_logits)
+        return BuiltModel(model.to(device), [hf.LLAMA_UNIT], hf.llama_logits, hf_config=hf.config_json(model))
     config = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=o.seq_length, n_layer=o.num_layers,
                        n_head=o.num_attention_heads, d_model=o.hidden_size, recompute=o.recompute)
     if o.init_model_with_meta_device:
@@ -66,9 +73,13 @@ def shard_kwargs(o: TrainOptions) -> dict:
 
 
 def shard(built: BuiltModel, o: TrainOptions) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """AdamW over the unsharded parameters, then one `fully_shard` call for both."""
+    """AdamW over the unsharded parameters, then one `fully_shard` call for both;
+    a pretrained model's weights are then read into each rank's shards."""
     decay = [p for p in built.model.parameters() if p.dim() >= 2]
     no_decay = [p for p in built.model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=o.lr, betas=(0.9, 0.95))
-    return flatfsdp.fully_shard(built.model, optimizer, fsdp_unit_modules=built.units, **shard_kwargs(o))
+    model, optimizer = flatfsdp.fully_shard(built.model, optimizer, fsdp_unit_modules=built.units, **shard_kwargs(o))
+    if built.pretrained:
+        flatfsdp.load_pretrained(model, built.pretrained)
+    return model, optimizer

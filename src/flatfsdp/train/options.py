@@ -70,8 +70,10 @@ class TrainOptions:
     num_layers: int = _flag(4, "transformer blocks")
     hidden_size: int = _flag(128, "width of the residual stream")
     num_attention_heads: int = _flag(4, "attention heads per block")
-    hf_model: bool = _flag(False, "train a tiny Hugging Face LlamaForCausalLM built from a LlamaConfig (no weights "
-                                  "downloaded) instead of the package GPT; needs pip install 'flatfsdp[hf]'")
+    hf_model: str | None = _flag(None, "fine-tune the Hugging Face causal LM in this local directory (config.json "
+                                       "and safetensors; the model flags are ignored); bare --hf-model: a tiny random "
+                                       "LlamaForCausalLM from a LlamaConfig; nothing downloaded; needs pip install "
+                                       "'flatfsdp[hf]'", nargs="?", const="", metavar="DIR")
     # ---- checkpoints, evaluation, output ----
     save: str | None = _flag(None, "checkpoint directory, replaced atomically at each save (end of training, "
                                    "every --save-interval steps, Ctrl-C)")
@@ -152,7 +154,7 @@ def check_options(o: TrainOptions) -> None:
     if o.hidden_size % o.num_attention_heads:
         raise UsageError(f"--hidden-size {o.hidden_size} is not divisible by --num-attention-heads "
                          f"{o.num_attention_heads}")
-    if o.hf_model and o.init_model_with_meta_device:
+    if o.hf_model == "" and o.init_model_with_meta_device:
         raise UsageError("--init-model-with-meta-device needs every module to initialise itself in "
                          "reset_parameters(); the Hugging Face Llama does not (its norms and rotary tables), "
                          "so use it without --hf-model")

@@ -44,7 +44,7 @@ def finish_report(trainer, seconds: float, stopped: str | None) -> dict:
 
 def _title(t) -> str:
     o = t.o
-    model = "HF Llama" if o.hf_model else "GPT"
+    model = "GPT" if o.hf_model is None else "HF Llama" if o.hf_model == "" else f"HF {o.hf_model}"
     return (f"{model} {t.parameters / 1e6:.2f}M params, {t.world} ranks, {o.data_parallel_sharding_strategy}, "
             f"{'bf16' if o.bf16 else 'fp32'}, global batch {t.data_flags['global_batch_size']} x {o.seq_length}")
 

@@ -41,9 +41,14 @@ def train_state(step: int, values: dict[str, int], device: torch.device) -> dict
     return state
 
 
-def save(directory: str, model, optimizer, step: int, values: dict[str, int], device: torch.device) -> None:
+def save(directory: str, model, optimizer, step: int, values: dict[str, int], device: torch.device,
+         hf_config: str | None = None) -> None:
+    """``hf_config`` (a transformers model's config as JSON) is saved as the entry
+    that `flatfsdp checkpoint export --format hf` writes out as config.json."""
     state = {"model": model.state_dict(), "optim": optimizer.state_dict(),
              "train": train_state(step, values, device)}
+    if hf_config is not None:
+        state[checkpoint.HF_CONFIG_ENTRY] = hf_config
     checkpoint.save(state, directory)
 
 

@@ -1,0 +1,120 @@
+"""Exporting a checkpoint as a Hugging Face model directory: ``config.json``
+plus the weights as safetensors -- one ``model.safetensors``, or shards of at
+most ``max_shard_bytes`` each with ``model.safetensors.index.json`` -- which
+``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+The checkpoint's model entries already carry the transformers names (a model
+trained with ``flatfsdp train --hf-model`` is the transformers module itself),
+so the export is export.py's streamed writer run once per shard: peak memory
+stays about max(budget, largest tensor). The config comes from the checkpoint
+(``flatfsdp train --hf-model`` saves it as the ``hf_config`` entry) or from a
+``config.json`` given by the caller. A tied output embedding is written once,
+as ``save_pretrained`` does. The directory appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+
+from flatfsdp.checkpoint.errors import CheckpointError
+from flatfsdp.checkpoint.export import DEFAULT_BUDGET, _load_batch, _select, _write_safetensors
+from flatfsdp.checkpoint.save_load import open_checkpoint
+
+CONFIG_ENTRY = "hf_config"
+"""Checkpoint entry holding the model's config as a JSON string."""
+DEFAULT_MAX_SHARD = 4 << 30
+TIED_OUTPUT = "lm_head.weight"
+_DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def _read_config(reader, metadata, config) -> dict:
+    if config is not None:
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: not a readable config.json ({exc})") from None
+    if CONFIG_ENTRY not in metadata.state_dict_metadata:
+        raise CheckpointError(f"{reader.path} holds no {CONFIG_ENTRY!r} entry (saved by flatfsdp train --hf-model): "
+                              "pass the model's config.json (--config)")
+    text = _load_batch(reader, [(CONFIG_ENTRY, CONFIG_ENTRY, None)])[CONFIG_ENTRY]
+    try:
+        loaded = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{reader.path}: entry {CONFIG_ENTRY!r} is not a JSON config ({exc})") from None
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{reader.path}: entry {CONFIG_ENTRY!r} is not a JSON object")
+    return loaded
+
+
+def _nbytes(item) -> int:
+    return item[2].size.numel() * item[2].properties.dtype.itemsize
+
+
+def _shards(tensors, limit: int) -> list[list]:
+    """Consecutive tensors packed into files of at most ``limit`` bytes (a larger tensor alone)."""
+    files, current, size = [], [], 0
+    for item in tensors:
+        nbytes = _nbytes(item)
+        if current and size + nbytes > limit:
+            files.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes
+    return files + [current] if current else files
+
+
+def export_hf(directory, out_dir, *, config=None, prefix: str = "model.", max_shard_bytes: int = DEFAULT_MAX_SHARD,
+              budget_bytes: int = DEFAULT_BUDGET) -> dict:
+    """Write checkpoint ``directory``'s entries under ``prefix`` (named without it)
+    as a Hugging Face model directory ``out_dir``, which must not exist or be
+    empty. ``config``: a config.json (or a directory holding one) to use instead
+    of the checkpoint's own. Returns ``{"tensors", "bytes", "files"}``."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise CheckpointError(f"{out_dir} exists and is not an empty directory: will not overwrite it")
+    reader = open_checkpoint(directory)
+    metadata = reader.read_metadata()
+    hf_config = _read_config(reader, metadata, None if config is None else os.fspath(config))
+    tensors = [c for c in _select(metadata, prefix) if c[2] is not None]
+    if hf_config.get("tie_word_embeddings"):
+        tensors = [c for c in tensors if c[1] != TIED_OUTPUT]
+    if not tensors:
+        raise CheckpointError(f"{reader.path} holds no tensors under the prefix {prefix!r}")
+    dtypes = {str(c[2].properties.dtype) for c in tensors}
+    if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPE_NAMES:
+        hf_config["dtype"] = _DTYPE_NAMES[dtypes.pop()]  # what from_pretrained(dtype="auto") then builds
+        hf_config.pop("torch_dtype", None)
+    shards = _shards(tensors, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    partial = f"{out_dir}.partial-{uuid.uuid4().hex[:8]}"
+    os.makedirs(partial)
+    try:
+        for name, members in zip(names, shards):
+            _write_safetensors(os.path.join(partial, name), reader, members, budget_bytes)
+        total = sum(_nbytes(c) for c in tensors)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {c[1]: name for name, members in zip(names, shards) for c in members}}
+            _write_json(os.path.join(partial, "model.safetensors.index.json"), index)
+        _write_json(os.path.join(partial, "config.json"), hf_config)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty, checked above
+        os.rename(partial, out_dir)
+    finally:
+        if os.path.exists(partial):
+            shutil.rmtree(partial)
+    return {"tensors": len(tensors), "bytes": total, "files": len(shards)}
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
