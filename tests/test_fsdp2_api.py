@@ -322,3 +322,25 @@ def test_max_input_buffers_validation(results):
 
 def test_units_are_torch_fsdp_modules(results):
     assert results[0]["isinstance_torch"]
+
+
+def _profiled_step(rank, world):
+    from torch.profiler import ProfilerActivity, profile
+
+    from flatfsdp import fully_shard
+
+    model = _shard(_net(), fully_shard)
+    x = _local(_batches(1)[0])
+    model(x).sum().backward()  # the first step records the order prefetch follows
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("flatfsdp::")})
+
+
+def test_profiler_labels_name_every_unit_and_phase():
+    names = set(run_ranks(_profiled_step, 2)[0])
+    for unit in ("emb", "blocks.0", "blocks.1", "blocks.2", "<root>"):
+        for phase in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
+            assert f"flatfsdp::{phase} ({unit})" in names, (phase, unit, sorted(names))
+    assert any(n.startswith("flatfsdp::unshard (") for n in names)
+    assert {"flatfsdp::finish_backward", "flatfsdp::reduce_scatter"} <= names

@@ -147,8 +147,9 @@ def test_units_kept_gathered_skip_their_backward_gather(results):
     out = results[0]["recompute"]
     numel, kept_default = out["numel"], out["root_numel"] + out["last_numel"]
     gathered = {k: out[k][2]["all_gather"]["bytes"] // 4 for k in ("reshard=True", "none", "reshard=False")}
-    assert gathered == {"reshard=True": 2 * numel - out["root_numel"],  # only the root stays gathered
-                        "none": 2 * numel - kept_default,               # ... and, by default, the last block
+    # True as FSDP2 reads it: every unit, the root too, is released and gathered again.
+    assert gathered == {"reshard=True": 2 * numel,
+                        "none": 2 * numel - kept_default,               # default: the root and the last block stay
                         "reshard=False": numel}                         # every unit gathered once
     assert all(out[k][0] < 1e-5 for k in ("reshard=True", "reshard=False"))
 
