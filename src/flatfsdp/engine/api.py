@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flatfsdp.engine.fsdp2_args import check_fsdp2_mesh, check_offload_policy, fsdp2_reshard_after_forward
 from flatfsdp.engine.layout import check_block
-from flatfsdp.engine.mesh import check_device, resolve_dp_mesh
+from flatfsdp.engine.mesh import check_device, check_hybrid_group, expert_dp_mesh, resolve_dp_mesh
 from flatfsdp.engine.optimizer import fully_shard_optimizer
 from flatfsdp.engine.precision import resolve_policy
 from flatfsdp.engine.shard_unit import shard_unit
@@ -26,7 +26,6 @@ _ACCEPTED_NO_OPS = {"overlap_grad_reduce", "overlap_param_gather", "preproc_stat
                     "keep_fp8_transpose_cache_when_using_custom_fsdp", "nccl_ub", "fsdp_double_buffer",
                     "disable_symmetric_registration"}
 _CHECKED = {"device"}  # accepted when it agrees with the mesh (see mesh.check_device)
-_NOT_YET = {"dp_outer_dim", "tp_dim", "hybrid_fsdp_group", "expt_device_mesh", "outer_dp_sharding_strategy"}
 
 
 def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer | None = None, *,
@@ -40,6 +39,8 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
                 preserve_fp32_weights: bool = True, init_model_with_meta_device: bool = False,
                 prefetch_bytes: int | None = None, bucket_bytes: int | None = None,
                 meta_init_seed: int | None = None, shard_block: int | tuple[int, int] | None = None,
+                dp_outer_dim: str | None = None, tp_dim: str | None = None, hybrid_fsdp_group: Any = None,
+                expt_device_mesh: DeviceMesh | None = None, outer_dp_sharding_strategy: int | str = 0,
                 **kwargs: Any):
     """Shard ``module``.
 
@@ -55,16 +56,24 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
 
     ``shard_block`` (B elements, or an (R, C) tile) keeps rank boundaries out of
     blocks, for block-wise optimizer state: see docs/placements.md.
+
+    N-D meshes (docs/meshes.md): ``dp_outer_dim`` (or FSDP2's 2-D mesh) gives
+    HSDP; ``dp_shard_dim`` may name a flattened ``(dp_shard, cp)`` dimension;
+    parameters that are already DTensors (tensor parallelism, ``tp_dim``)
+    are sharded over the data-parallel dimensions only; ``expt_device_mesh``
+    shards expert parameters (``allreduce=False``) over its ``dp_shard_dim``.
     """
     options = _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
-                       sync_model_each_microbatch, init_model_with_meta_device, kwargs)
+                       sync_model_each_microbatch, init_model_with_meta_device, kwargs,
+                       dict(dp_outer_dim=dp_outer_dim, tp_dim=tp_dim, hybrid_fsdp_group=hybrid_fsdp_group,
+                            expt_device_mesh=expt_device_mesh, outer_dp_sharding_strategy=outer_dp_sharding_strategy))
     options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed,
                    shard_block=_checked_block(shard_block))
     ignored = frozenset(id(p) for p in ignored_params or ())
-    check_offload_policy(offload_policy, options["mesh"])
+    check_offload_policy(offload_policy, options["mesh"].shard)
     if fsdp_unit_modules is None and optimizer is None:
-        reshard = fsdp2_reshard_after_forward(reshard_after_forward, options["mesh"])
+        reshard = fsdp2_reshard_after_forward(reshard_after_forward, options["mesh"].shard)
         shard_unit(module, reshard_after_forward=reshard, shard_placement_fn=shard_placement_fn,
                    exclude=ignored, require_shardable=True, **options)
         return module
@@ -88,12 +97,16 @@ def fully_shard_model(module: nn.Module, *, fsdp_unit_modules: Iterable[type | s
                       init_model_with_meta_device: bool = False, reshard_after_forward: bool | None = None,
                       prefetch_bytes: int | None = None, bucket_bytes: int | None = None,
                       meta_init_seed: int | None = None, shard_block: int | tuple[int, int] | None = None,
+                      dp_outer_dim: str | None = None, tp_dim: str | None = None, hybrid_fsdp_group: Any = None,
+                      expt_device_mesh: DeviceMesh | None = None, outer_dp_sharding_strategy: int | str = 0,
                       **kwargs: Any) -> nn.Module:
     """Megatron-FSDP's model half: shard units bottom-up, then the root. Bind an
     optimizer afterwards with ``fully_shard_optimizer``."""
     options = _options(None, device_mesh, dp_shard_dim, zero_dp_strategy, None, mixed_precision_policy,
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
-                       sync_model_each_microbatch, init_model_with_meta_device, kwargs)
+                       sync_model_each_microbatch, init_model_with_meta_device, kwargs,
+                       dict(dp_outer_dim=dp_outer_dim, tp_dim=tp_dim, hybrid_fsdp_group=hybrid_fsdp_group,
+                            expt_device_mesh=expt_device_mesh, outer_dp_sharding_strategy=outer_dp_sharding_strategy))
     options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed,
                    shard_block=_checked_block(shard_block))
     _shard_model(module, fsdp_unit_modules or (), reshard_after_forward, options)
@@ -120,25 +133,57 @@ def _checked_block(block):
 
 def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
              grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss, sync_model_each_microbatch,
-             init_model_with_meta_device, extra: dict) -> dict:
-    unknown = set(extra) - _ACCEPTED_NO_OPS - _NOT_YET - _CHECKED
+             init_model_with_meta_device, extra: dict, nd: dict) -> dict:
+    unknown = set(extra) - _ACCEPTED_NO_OPS - _CHECKED
     if unknown:
         raise TypeError(f"fully_shard got unexpected keyword argument(s) {sorted(unknown)}")
-    requested = sorted(k for k in set(extra) & _NOT_YET if extra[k] is not None)
-    if requested:
-        raise NotImplementedError(f"{requested} (hybrid / tensor / expert parallel meshes) are not supported yet")
     if mesh is not None and device_mesh is not None and mesh is not device_mesh:
         raise ValueError("pass the mesh as either mesh= or device_mesh=, not two different meshes")
     check_fsdp2_mesh(mesh)
     if mp_policy is not None and mixed_precision_policy is not None:
         raise ValueError("pass the policy as either mp_policy= or mixed_precision_policy=, not both")
-    dp_mesh = resolve_dp_mesh(mesh if mesh is not None else device_mesh, dp_shard_dim)
-    check_device(extra.get("device"), dp_mesh)
+    given = mesh if mesh is not None else device_mesh
+    strategy = ShardingStrategy.parse(zero_dp_strategy)
+    dp_mesh = resolve_dp_mesh(given, dp_shard_dim, nd["dp_outer_dim"])
+    _check_outer_strategy(nd["outer_dp_sharding_strategy"], dp_mesh)
+    check_hybrid_group(nd["hybrid_fsdp_group"], dp_mesh)
+    _check_tp_dim(nd["tp_dim"], given)
+    check_device(extra.get("device"), dp_mesh.shard)
+    expert_mesh = None
+    if nd["expt_device_mesh"] is not None:
+        expert_mesh = expert_dp_mesh(nd["expt_device_mesh"], dp_shard_dim, dp_mesh.size)
     return dict(
         mesh=dp_mesh,
-        strategy=ShardingStrategy.parse(zero_dp_strategy),
+        expert_mesh=expert_mesh,
+        strategy=strategy,
         policy=resolve_policy(mp_policy if mp_policy is not None else mixed_precision_policy,
                               grad_reduce_in_fp32=grad_reduce_in_fp32, preserve_fp32_weights=preserve_fp32_weights),
         average_grads=not calculate_per_token_loss,
         sync_each_microbatch=sync_model_each_microbatch,
     )
+
+
+def _check_outer_strategy(value: int | str, dp_mesh) -> None:
+    """Megatron-FSDP's ``outer_dp_sharding_strategy``: replicas across the
+    outer dimension ("no_shard", HSDP). Sharding the optimizer across it too
+    (HFSDP, "optim") is not built yet and says so."""
+    outer = ShardingStrategy.parse(value)
+    if outer == ShardingStrategy.NO_SHARD:
+        return
+    if dp_mesh.outer is None:
+        raise ValueError(f"outer_dp_sharding_strategy={value!r} needs an outer dimension (dp_outer_dim=)")
+    if outer != ShardingStrategy.OPTIM:
+        raise ValueError(f"outer_dp_sharding_strategy={value!r}: only no_shard (0) and optim (1) exist across "
+                         "the outer dimension")
+    raise NotImplementedError("outer_dp_sharding_strategy='optim' (HFSDP: optimizer state sharded across the outer "
+                              "dimension too) is not implemented yet; use 'no_shard' (HSDP)")
+
+
+def _check_tp_dim(tp_dim: str | None, mesh: DeviceMesh | None) -> None:
+    """``tp_dim`` names the tensor-parallel dimension; DTensor parameters
+    carry their own mesh, so it is only checked to exist."""
+    if tp_dim is None:
+        return
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if tp_dim not in names:
+        raise ValueError(f"tp_dim={tp_dim!r} is not a dimension of the device mesh; its dimensions are {list(names)}")

@@ -99,6 +99,9 @@ class ReduceRequest:
     """Issues the bucket holding this request (set by the queue that holds it)."""
     unit: str = ""
     """The unit whose gradients these are (named if the reduction times out)."""
+    outer: dist.ProcessGroup | None = None
+    """HSDP: once summed over ``group``, ``output`` is all-reduced over this
+    group too (the replicas'), before ``then``."""
 
     @property
     def nbytes(self) -> int:
@@ -112,17 +115,21 @@ class ReduceRequest:
 
 
 def reduce(members: list[ReduceRequest], *, async_op: bool, stream: SideStream | None = None) -> Pending:
-    """One collective for requests of one kind, dtype and group."""
+    """One collective for requests of one kind, dtype and groups (and, with
+    replicas, one all-reduce across them for the whole bucket)."""
+    outer = members[0].outer
     if len(members) == 1:
         only = members[0]
         if only.kind == "all_reduce":
             pending = collectives.all_reduce(only.flat, only.group, async_op, stream)
         else:
             pending = collectives.reduce_scatter(only.output, only.flat, only.group, async_op, stream)
+        if outer is not None:
+            pending.then.append(lambda: collectives.all_reduce(only.output, outer).wait())
     elif members[0].kind == "all_reduce":
-        pending = _all_reduce_packed(members, async_op, stream)
+        pending = _all_reduce_packed(members, async_op, stream, outer)
     else:
-        pending = _reduce_scatter_packed(members, async_op, stream)
+        pending = _reduce_scatter_packed(members, async_op, stream, outer)
     for m in members:
         m.pending = pending
         pending.then.extend(m.then)
@@ -131,19 +138,23 @@ def reduce(members: list[ReduceRequest], *, async_op: bool, stream: SideStream |
     return pending
 
 
-def _all_reduce_packed(members: list[ReduceRequest], async_op: bool, stream: SideStream | None) -> Pending:
+def _all_reduce_packed(members: list[ReduceRequest], async_op: bool, stream: SideStream | None,
+                       outer: dist.ProcessGroup | None) -> Pending:
     packed = torch.cat([m.flat.reshape(-1) for m in members])
     pending = collectives.all_reduce(packed, members[0].group, async_op, stream)
     offsets = _offsets([m.flat.numel() for m in members])
 
     def unpack() -> None:
+        if outer is not None:
+            collectives.all_reduce(packed, outer).wait()
         for m, off in zip(members, offsets):
             m.flat.view(-1).copy_(packed[off:off + m.flat.numel()])
     pending.then.append(unpack)
     return pending
 
 
-def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool, stream: SideStream | None) -> Pending:
+def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool, stream: SideStream | None,
+                           outer: dist.ProcessGroup | None) -> Pending:
     group, world = members[0].group, members[0].group.size()
     sizes = [m.output.numel() for m in members]
     total, offsets = sum(sizes), _offsets(sizes)
@@ -156,6 +167,8 @@ def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool, stream:
     pending = collectives.reduce_scatter(result, packed, group, async_op, stream)
 
     def unpack() -> None:
+        if outer is not None:
+            collectives.all_reduce(result, outer).wait()
         for m, off, size in zip(members, offsets, sizes):
             m.output.copy_(result[off:off + size])
     pending.then.append(unpack)

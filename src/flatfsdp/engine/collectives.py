@@ -49,12 +49,12 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _run(kind: str, size: int, stream: SideStream | None, async_op: bool,
+def _run(kind: str, size: int, group: dist.ProcessGroup, stream: SideStream | None, async_op: bool,
          issue: Callable[[bool], Pending]) -> Pending:
     """Count, label and launch one collective; ``issue(async_op)`` enqueues it.
     On a side stream the launch is synchronous *to that stream* (the host does
     not block) and an event marks its end."""
-    comm_account().add(kind, size)
+    comm_account().add(kind, size, dim_name(group))
     with record_function(f"flatfsdp::{kind}"):
         if stream is None or stream.stream is None:
             pending = issue(async_op)
@@ -78,9 +78,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     """Gather equal shards into ``output``, rank-major. ``shard`` may be
     ``output``'s own slice: in-place gathers need no staging copy."""
     if gloo_algorithm(group) == "exchange":
-        return _run("all_gather", nbytes(output), None, async_op,
+        return _run("all_gather", nbytes(output), group, None, async_op,
                     lambda _: _messages(group, exchange_all_gather(output, shard, group)))
-    return _run("all_gather", nbytes(output), stream, async_op,
+    return _run("all_gather", nbytes(output), group, stream, async_op,
                 lambda a: _handles(group, dist.all_gather_into_tensor(output, shard, group=group, async_op=a)))
 
 
@@ -91,14 +91,14 @@ def gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group: dist.P
     def issue(a: bool) -> Pending:
         return _handles(group, *(dist.all_gather_into_tensor(out, shard, group=group, async_op=a)
                                  for out, shard in pieces))
-    return _run("all_gather", size, stream, async_op, issue)
+    return _run("all_gather", size, group, stream, async_op, issue)
 
 
 def exchange(kind: str, size: int, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
              group: dist.ProcessGroup) -> Pending:
     """Point-to-point messages that together implement one collective of
     ``size`` bytes (counted as ``kind``); see exchange.post_messages."""
-    return _run(kind, size, None, True, lambda _: _messages(group, post_messages(sends, recvs, group)))
+    return _run(kind, size, group, None, True, lambda _: _messages(group, post_messages(sends, recvs, group)))
 
 
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
@@ -107,7 +107,7 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
     ``flat`` may be overwritten (it is a transient gradient buffer)."""
     algorithm = gloo_algorithm(group)
     if algorithm == "exchange":
-        return _run("reduce_scatter", nbytes(flat), None, async_op,
+        return _run("reduce_scatter", nbytes(flat), group, None, async_op,
                     lambda _: _messages(group, *exchange_reduce_scatter(output, flat, group)))
     if algorithm == "all_reduce":
         pending = all_reduce(flat, group, async_op)
@@ -116,7 +116,7 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
         if mine.data_ptr() != output.data_ptr():
             pending.then.append(lambda: output.copy_(mine))
         return pending
-    return _run("reduce_scatter", nbytes(flat), stream, async_op,
+    return _run("reduce_scatter", nbytes(flat), group, stream, async_op,
                 lambda a: _handles(group, dist.reduce_scatter_tensor(output, flat, op=dist.ReduceOp.SUM,
                                                                      group=group, async_op=a)))
 
@@ -126,8 +126,19 @@ def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = Fa
     """Sum ``flat`` over the group, in place. Kept as gloo's own all-reduce even
     where gathers are exchanges: replicas must end bitwise equal, which one
     collective guarantees and per-rank sums in different orders would not."""
-    return _run("all_reduce", nbytes(flat), stream, async_op,
+    return _run("all_reduce", nbytes(flat), group, stream, async_op,
                 lambda a: _handles(group, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=a)))
+
+
+def dim_name(group: dist.ProcessGroup) -> str:
+    """The mesh dimension a group was made for (DeviceMesh describes each
+    group as ``mesh_<dim>``); "world" for a group of every rank."""
+    desc = getattr(group, "group_desc", "") or ""
+    if desc.startswith("mesh_"):
+        return desc[len("mesh_"):]
+    if group.size() == dist.get_world_size():
+        return "world"
+    return desc or getattr(group, "group_name", "group")
 
 
 GLOO_ALGORITHMS = ("exchange", "native", "all_reduce")

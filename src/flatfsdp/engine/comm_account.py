@@ -1,5 +1,6 @@
 """The user-visible communication account: how many collectives of each kind
-ran, and how many bytes their buffers covered, on this rank."""
+ran, and how many bytes their buffers covered, on this rank -- in total and
+per mesh dimension (``by_dim()``: HSDP's shard and outer traffic apart)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,29 @@ class CommAccount:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        self._by_dim: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, dim: str = "world") -> None:
+        """``dim``: the mesh dimension the collective ran over."""
         with self._lock:
-            entry = self._counts[kind]
-            entry[0] += 1
-            entry[1] += nbytes
+            for entry in (self._counts[kind], self._by_dim[dim, kind]):
+                entry[0] += 1
+                entry[1] += nbytes
 
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
+            self._by_dim.clear()
+
+    def by_dim(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{dimension: {kind: {"count", "bytes"}}}``; a dimension is the mesh
+        dimension's name (``dp_shard``, ``dp_outer``, ...), "world" for a group
+        of every rank."""
+        with self._lock:
+            out: dict[str, dict[str, dict[str, int]]] = {}
+            for (dim, kind), (c, b) in sorted(self._by_dim.items()):
+                out.setdefault(dim, {})[kind] = {"count": c, "bytes": b}
+            return out
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:

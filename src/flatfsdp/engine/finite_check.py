@@ -87,7 +87,7 @@ def local_nonfinite(model: nn.Module, loss: torch.Tensor | None = None) -> torch
     its share of the gradients holds NaN/inf, else 0.0. No communication."""
     for state in unit_states(model):  # reductions left in flight (sync_model_each_microbatch=False) land first
         for group in state.groups:
-            group.wait_reduction()
+            group.complete_reduction()
     values = [t.sum().float() for t in _local_grads(model)]
     if loss is not None:
         values.append(loss.detach().sum().float().to(values[0].device if values else loss.device))

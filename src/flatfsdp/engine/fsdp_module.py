@@ -95,8 +95,10 @@ class FSDPModule(TorchFSDPModule):
             state.requires_grad_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Hybrid meshes: whether gradients are all-reduced across replicas (a
-        1-D mesh has none, so this changes nothing there)."""
+        """Hybrid meshes: whether gradients are all-reduced across replicas
+        after this backward's reduce-scatter (a 1-D mesh has none, so this
+        changes nothing there). False: the reduced chunks keep summing without
+        it, and the next backward with True all-reduces the sum once."""
         for state in self._states(recurse):
             state.controls.requires_all_reduce = requires_all_reduce
 

@@ -64,8 +64,12 @@ def _model_parameters(model: nn.Module) -> tuple[dict, dict]:
     for state in unit_states(model):
         replaced = {id(real): meta for real, meta in state.meta_originals.items()}
         for group in state.groups:
-            for original, sharded in zip(group.params, group.sharded_params):
+            for slot, computed, sharded in zip(group.slots, group.params, group.sharded_params):
+                # A tensor-parallel parameter computes through a new DTensor;
+                # an optimizer built before sharding names the one it replaced.
+                original = slot.param
                 sharded_of[id(original)] = sharded
+                sharded_of[id(computed)] = sharded
                 if id(original) in replaced:
                     sharded_of[id(replaced[id(original)])] = sharded
                 group_of[id(sharded)] = group
@@ -75,7 +79,7 @@ def _model_parameters(model: nn.Module) -> tuple[dict, dict]:
 def _install_hooks(optimizer: torch.optim.Optimizer, groups: list) -> None:
     def before_step(*_):
         for group in groups:
-            group.wait_reduction()
+            group.complete_reduction()
 
     def after_step(*_):
         for group in groups:

@@ -30,12 +30,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flatfsdp.engine import views
+from flatfsdp.engine import collectives, views
 from flatfsdp.engine.buffer import FlatBuffer
 from flatfsdp.engine.coalesce import GatherRequest, ReduceRequest
 from flatfsdp.engine.gather import GatherPlan
 from flatfsdp.engine.layout import build_group_layout
-from flatfsdp.engine.placement import GroupPlacement
+from flatfsdp.engine.placement import GroupPlacement, TensorParallelSpec
 from flatfsdp.engine.precision import MixedPrecisionPolicy
 
 DIRECT_MIN_BYTES = 256 << 10
@@ -56,6 +56,16 @@ class ParamSlot:
     is under, the key relative to that module)."""
     shard_dim: int | None = 0
     """The dimension chunked across ranks (None: replicated)."""
+    tp: TensorParallelSpec | None = None
+    """Set when the parameter arrived as a DTensor: its local tensor is what is sharded here."""
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape flatfsdp shards: the parameter's, or its local tensor's."""
+        return tuple(self.param.to_local().shape if self.tp is not None else self.param.shape)
+
+    def with_dim(self, dim: int | None) -> "ParamSlot":
+        return ParamSlot(self.fqn, self.param, self.locations, self.keys, dim, self.tp)
 
 
 class ParamGroup:
@@ -65,9 +75,16 @@ class ParamGroup:
         (the parameters' values are not read)."""
         self.slots = slots
         self.params = [s.param for s in slots]
+        """What the module computes with: the original parameters (their data
+        made views of the unsharded buffer), or for tensor-parallel ones a
+        DTensor of that view (built in _make_views)."""
         self.placement = placement
         self.mesh = placement.mesh
         self.pg = self.mesh.get_group()
+        outer = placement.dp.outer
+        self.outer_pg = outer.get_group() if outer is not None and outer.size() > 1 else None
+        """HSDP: the replicas of this rank's chunks, across which reduced
+        gradients are all-reduced (None: no replicas)."""
         self.index = self.pg.rank() if placement.sharded else 0
         """Which chunk this rank holds (0 when replicated)."""
         original = self.params[0].dtype
@@ -78,7 +95,7 @@ class ParamGroup:
         self.main_dtype = policy.main_dtype(original) if self.trainable else original
         self.reduce_dtype = policy.grad_reduce_dtype(original)
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        self.layout = build_group_layout([tuple(p.shape) for p in self.params], placement.world,
+        self.layout = build_group_layout([s.local_shape for s in slots], placement.world,
                                          [s.shard_dim for s in slots], direct_min_numel=DIRECT_MIN_BYTES // itemsize)
         self.bound_optimizers: weakref.WeakSet = weakref.WeakSet()
         """Optimizers bound by fully_shard_optimizer that step these parameters."""
@@ -88,6 +105,9 @@ class ParamGroup:
         self._unsharded = False
         self._accum: FlatBuffer | None = None
         self._inflight: ReduceRequest | None = None
+        self._outer_due = False
+        """The main grads hold sums over the shard mesh only: the all-reduce
+        across replicas is still to come (HSDP with reductions deferred)."""
         self._used = [False] * len(self.params)
         self._allocate(device)
         if fill:
@@ -142,16 +162,19 @@ class ParamGroup:
     def _fill_from_params(self) -> None:
         """Main weights straight from the original values (fp32 main weights keep
         full precision even when compute is bf16); kept model weights too."""
+        values = [_local_value(p) for p in self.params]
         with torch.no_grad():
             if self.placement.keep_model_weights:
-                for p, value in zip(self.layout.params, self.params):
-                    views.unsharded_param(self.unsharded.data, p).copy_(value.detach())
+                for p, value in zip(self.layout.params, values):
+                    views.unsharded_param(self.unsharded.data, p).copy_(value)
             if not self._main_in_unsharded:
-                for index, value in enumerate(self.params):
-                    self.main_chunk(index).copy_(self.own_chunk_of(value.detach(), index))
+                for index, value in enumerate(values):
+                    self.main_chunk(index).copy_(self.own_chunk_of(value, index))
+            # Replicas must agree: the first replica's values win.
             if not self.placement.sharded and self.pg.size() > 1:
-                # Replicas must agree: rank 0's values win.
                 torch.distributed.broadcast(self.main, group=self.pg, group_src=0)
+            if self.outer_pg is not None:
+                torch.distributed.broadcast(self.main, group=self.outer_pg, group_src=0)
         # Model weights are synced from the main weights before first use
         # (ZeRO-1/2 gather them, so every replica agrees).
         self._synced = None
@@ -160,29 +183,46 @@ class ParamGroup:
         """Original parameters become views of the unsharded buffer; the
         optimizer-facing DTensors view the main weights' and grads' chunks."""
         self.sharded_params, self._grad_dtensors = [], []
-        for index, (p, param) in enumerate(zip(self.layout.params, self.params)):
-            param.data = views.unsharded_param(self.unsharded.data, p)
-            placements = self.placement.dtensor_placements(p)
-            spec = dict(shape=torch.Size(p.shape), stride=_contiguous_strides(p.shape), run_check=False)
-            local = DTensor.from_local(self.main_chunk(index), self.mesh, placements, **spec)
+        for index, (p, slot) in enumerate(zip(self.layout.params, self.slots)):
+            self.params[index] = self._compute_param(index)
+            mesh, placements, spec = self._dtensor_spec(index)
+            local = DTensor.from_local(self.main_chunk(index), mesh, placements, **spec)
             self.sharded_params.append(nn.Parameter(local, requires_grad=self.trainable))
             if self.trainable:
                 grad = views.local_chunk(self.main_grad, p, self.index)
-                self._grad_dtensors.append(DTensor.from_local(grad, self.mesh, placements, **spec))
+                self._grad_dtensors.append(DTensor.from_local(grad, mesh, placements, **spec))
         if self.trainable:
             self._destinations: dict[int, list] = {}
             self._zero_plans: dict[int, tuple] = {}
         if not self.placement.keep_model_weights:
             self.unsharded.free()
 
+    def _compute_param(self, index: int) -> nn.Parameter:
+        view = views.unsharded_param(self.unsharded.data, self.layout.params[index])
+        slot = self.slots[index]
+        if slot.tp is None:
+            param = self.params[index]
+            param.data = view
+            return param
+        tp = slot.tp
+        local = DTensor.from_local(view, tp.mesh, tp.placements, shape=tp.shape,
+                                   stride=_contiguous_strides(tp.shape), run_check=False)
+        return nn.Parameter(local, requires_grad=self.params[index].requires_grad)
+
+    def _dtensor_spec(self, index: int) -> tuple:
+        """(mesh, placements, from_local keywords) of parameter ``index``'s sharded DTensor."""
+        p, slot = self.layout.params[index], self.slots[index]
+        shape = slot.tp.shape if slot.tp is not None else torch.Size(p.shape)
+        return (self.placement.dtensor_mesh(slot.fqn), self.placement.dtensor_placements(p, slot.tp),
+                dict(shape=torch.Size(shape), stride=_contiguous_strides(shape), run_check=False))
+
     def refresh_views(self) -> None:
         """Make the existing sharded parameter objects view this group's main
         weights again (torch's conversions swap a DTensor parameter's contents
         for the converted copy; swap ours back in, keeping the objects)."""
-        for index, (p, sharded) in enumerate(zip(self.layout.params, self.sharded_params)):
-            placements = self.placement.dtensor_placements(p)
-            local = DTensor.from_local(self.main_chunk(index), self.mesh, placements, run_check=False,
-                                       shape=torch.Size(p.shape), stride=_contiguous_strides(p.shape))
+        for index, sharded in enumerate(self.sharded_params):
+            mesh, placements, spec = self._dtensor_spec(index)
+            local = DTensor.from_local(self.main_chunk(index), mesh, placements, **spec)
             sharded.grad = None
             torch.utils.swap_tensors(sharded, nn.Parameter(local, requires_grad=sharded.requires_grad))
 
@@ -253,13 +293,13 @@ class ParamGroup:
             self.unsharded.free()
 
     def use_unsharded_params(self) -> None:
-        for slot, sharded in zip(self.slots, self.sharded_params):
-            if slot.param.requires_grad != sharded.requires_grad:
-                self._follow_requires_grad(slot, sharded)
+        for slot, param, sharded in zip(self.slots, self.params, self.sharded_params):
+            if param.requires_grad != sharded.requires_grad:
+                self._follow_requires_grad(slot, param, sharded)
             for module, attr in slot.locations:
-                module._parameters[attr] = slot.param
+                module._parameters[attr] = param
 
-    def _follow_requires_grad(self, slot: ParamSlot, sharded: nn.Parameter) -> None:
+    def _follow_requires_grad(self, slot: ParamSlot, param: nn.Parameter, sharded: nn.Parameter) -> None:
         """The user (un)froze the sharded parameter after sharding: the
         parameter the module computes with follows, so autograd makes (or
         skips) its gradient. A group frozen when sharded has no gradient
@@ -268,7 +308,7 @@ class ParamGroup:
             raise ValueError(f"parameter '{slot.fqn}' was frozen (requires_grad=False) when it was sharded and has "
                              "been unfrozen since: set requires_grad before fully_shard, so that gradient "
                              "buffers exist for it")
-        slot.param.requires_grad_(sharded.requires_grad)
+        param.requires_grad_(sharded.requires_grad)
 
     def use_sharded_params(self) -> None:
         for slot, sharded in zip(self.slots, self.sharded_params):
@@ -294,7 +334,7 @@ class ParamGroup:
         dst, src = [], []
         for i, grad in pairs:
             dst += destinations[i]
-            src += views.grad_sources(grad, self.layout.params[i])
+            src += views.grad_sources(_local_grad(grad, self.slots[i].tp), self.layout.params[i])
         with torch.no_grad():
             if fresh:
                 self._zero_unwritten(self._accum, {i for i, _ in pairs})
@@ -339,21 +379,29 @@ class ParamGroup:
     def _main_grad_has_data(self) -> bool:
         return any(sp.grad is not None for sp in self.sharded_params)
 
-    def reduction_request(self, average: bool, divide_factor: float | None = None,
-                          hook=None) -> ReduceRequest | None:
+    def reduction_request(self, average: bool, divide_factor: float | None = None, hook=None, *,
+                          all_reduce: bool = True, defer_to_step: bool = False) -> ReduceRequest | None:
         """Hand over the accumulated local gradients for reduction into the main
         grads (summing into what the optimizer has not consumed yet, as autograd
-        would). The request is issued by the caller, perhaps coalesced."""
+        would). The request is issued by the caller, perhaps coalesced.
+
+        With replicas (HSDP) the reduced chunks are then all-reduced across
+        them -- unless ``all_reduce`` is False (FSDP2's
+        ``set_requires_all_reduce``), or ``defer_to_step`` and a bound optimizer
+        will ask for it before stepping (``complete_reduction``): outer traffic
+        once per optimizer step, however many microbatches."""
         if self._accum is None:
             return None
         accum, has_data = self._accum, self._main_grad_has_data()
         self._accum = None
+        if not has_data:
+            self._outer_due = False  # what was pending was dropped with the grads
         if self._main_grad_buffer is not None:
             self._main_grad_buffer.alloc()  # no-op unless released since the last step
         if divide_factor is not None:
             scale = 1.0 / divide_factor
         else:
-            scale = 1.0 / self.pg.size() if average else 1.0
+            scale = 1.0 / self.placement.dp.average_over if average else 1.0
         if not self.placement.sharded:
             request = ReduceRequest("all_reduce", accum.data, accum.data, self.pg)
         else:
@@ -361,11 +409,24 @@ class ParamGroup:
             result = self.main_grad if direct else torch.empty(
                 self.layout.shard_numel, dtype=self.reduce_dtype, device=self.main_grad.device)
             request = ReduceRequest("reduce_scatter", accum.data, result, self.pg)
-        request.then.append(lambda: self._finish_reduction(accum, request.output, has_data, scale))
+        outer_now = self.outer_pg is not None and all_reduce and not (defer_to_step and len(self.bound_optimizers))
+        if outer_now and not self._outer_due:
+            # Only this backward's sums lack the replicas': the request
+            # all-reduces just them (coalesced with the rest of its bucket).
+            request.outer = self.outer_pg
+        request.then.append(lambda: self._finish_reduction(accum, request.output, has_data, scale, outer_now))
         if hook is not None:
             request.then.append(lambda: hook(self.main_grad))
         self._inflight = request
         return request
+
+    def complete_reduction(self) -> None:
+        """Wait for the reduction in flight and do any all-reduce across
+        replicas still owed: the main grads are then final."""
+        self.wait_reduction()
+        if self._outer_due:
+            self._outer_due = False
+            collectives.all_reduce(self.main_grad, self.outer_pg).wait()
 
     def release_consumed_grads(self) -> None:
         """Free the sharded main grads once the optimizer has set every grad to
@@ -385,7 +446,8 @@ class ParamGroup:
         if self._inflight is not None:
             self._inflight.wait()
 
-    def _finish_reduction(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, scale: float) -> None:
+    def _finish_reduction(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, scale: float,
+                          outer_now: bool) -> None:
         self._inflight = None
         with torch.no_grad():
             if has_data:
@@ -398,6 +460,11 @@ class ParamGroup:
                     self.main_grad.mul_(scale)
             else:
                 torch.mul(result, scale, out=self.main_grad)
+        if self.outer_pg is not None:
+            if outer_now and self._outer_due:
+                # Earlier backwards' sums are in the main grads too: all-reduce the lot, once.
+                collectives.all_reduce(self.main_grad, self.outer_pg).wait()
+            self._outer_due = not outer_now
         for i, sp in enumerate(self.sharded_params):
             if self._used[i]:
                 sp.grad = self._grad_dtensors[i]
@@ -440,6 +507,20 @@ class ParamGroup:
         if self.trainable:
             tensors += [self.grads.data, self.main_grad, self._scratch_grad.data]
         return _distinct_storage_bytes(tensors)
+
+
+def _local_value(param: torch.Tensor) -> torch.Tensor:
+    return (param.to_local() if isinstance(param, DTensor) else param).detach()
+
+
+def _local_grad(grad: torch.Tensor, tp: TensorParallelSpec | None) -> torch.Tensor:
+    """A tensor-parallel parameter's gradient as its local tensor, placed as
+    the parameter is (a partial sum is reduced over the tensor-parallel mesh first)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if tp is not None and tuple(grad.placements) != tuple(tp.placements):
+        grad = grad.redistribute(tp.mesh, tp.placements)
+    return grad.to_local()
 
 
 def _distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -3,22 +3,22 @@ where each lives, build its param groups, install the runtime, swap its class.""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import OrderedDict
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from flatfsdp.engine.coalesce import DEFAULT_BUCKET_BYTES
 from flatfsdp.engine.fingerprint import check_ranks_agree, describe
 from flatfsdp.engine.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.engine.layout import shard_dim_for
-from flatfsdp.engine.mesh import mesh_device
+from flatfsdp.engine.mesh import DataParallelMesh, mesh_device
 from flatfsdp.engine.meta_init import materialize_meta
 from flatfsdp.engine.param_group import ParamGroup, ParamSlot
-from flatfsdp.engine.placement import GroupPlacement
+from flatfsdp.engine.placement import GroupPlacement, TensorParallelSpec
 from flatfsdp.engine.precision import MixedPrecisionPolicy
 from flatfsdp.engine.state_dict import install_state_dict_hooks
 from flatfsdp.engine.strategy import ShardingStrategy
@@ -26,32 +26,43 @@ from flatfsdp.engine.tied_params import already_managed
 from flatfsdp.engine.unit_state import UnitState
 
 
-def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DeviceMesh, strategy: ShardingStrategy,
+def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, strategy: ShardingStrategy,
                policy: MixedPrecisionPolicy, reshard_after_forward: bool | None = None, average_grads: bool = True,
                sync_each_microbatch: bool = True, exclude: frozenset[int] = frozenset(), name: str = "",
                prefetch_bytes: int | None = None, bucket_bytes: int | None = None,
                meta_init_seed: int | None = None, shard_block=None, shard_placement_fn=None,
-               require_shardable: bool = False) -> UnitState:
+               require_shardable: bool = False, expert_mesh: DataParallelMesh | None = None) -> UnitState:
     """Shard one unit: a module, or several modules that run as one (a list).
 
     ``shard_placement_fn(param) -> Shard(dim) | None`` picks each parameter's
     dimension (FSDP2's argument); ``require_shardable`` refuses scalar and
-    non-contiguous parameters as FSDP2 does instead of replicating them."""
+    non-contiguous parameters as FSDP2 does instead of replicating them.
+    Expert parameters (Megatron-Core marks them ``allreduce=False``) are
+    sharded over ``expert_mesh`` when one is given."""
     units = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     label = name or ", ".join(type(m).__name__ for m in units)
     _check_units(units, label)
     slots = _owned_slots(units, exclude)
     if require_shardable:
         _refuse_unshardable(slots, label)
-    device = mesh_device(mesh)
+    device = mesh_device(mesh.shard)
     # Before anything else talks to the other ranks: they must be sharding the same unit.
-    check_ranks_agree(describe(label, [(s.fqn, s.param) for s in slots]), mesh.get_group(), device)
-    slots = _choose_placements(slots, mesh, strategy, shard_block, shard_placement_fn, label)
+    description = describe(label, [(s.fqn, s.param) for s in slots])
+    for dp_group in (mesh.shard, mesh.outer):
+        if dp_group is not None and dp_group.size() > 1:
+            check_ranks_agree(description, dp_group.get_group(), device)
+    slots = [_with_tensor_parallel(s, label) for s in slots]
+    experts = {id(s.param) for s in slots if expert_mesh is not None and _is_expert(s.param)}
+    meshes = {False: mesh, True: expert_mesh}
+    slots = [chosen for expert in (False, True)
+             for chosen in _choose_placements([s for s in slots if (id(s.param) in experts) == expert],
+                                              meshes[expert], strategy, shard_block, shard_placement_fn, label)]
     meta_originals: dict = {}
     pending_init = materialize_meta(units, slots, device, meta_originals)
     groups = []
-    for (_dtype, _grad, replicated), members in _group(slots).items():
-        placement = GroupPlacement.resolve(strategy, mesh, replicate=replicated)
+    for (_dtype, _grad, replicated, _tp, expert), members in _group(slots, experts).items():
+        tp_mesh = members[0].tp.mesh if members[0].tp is not None else None
+        placement = GroupPlacement.resolve(strategy, meshes[expert], replicate=replicated, tp_mesh=tp_mesh)
         groups.append(ParamGroup(members, placement=placement, policy=policy, device=device))
     for group in groups:
         group.use_sharded_params()
@@ -146,22 +157,25 @@ def _storage_released(param: nn.Parameter) -> bool:
     return param.numel() > 0 and param.untyped_storage().nbytes() < needed
 
 
-def _choose_placements(slots: list[ParamSlot], mesh: DeviceMesh, strategy: ShardingStrategy, shard_block,
+def _choose_placements(slots: list[ParamSlot], mesh: DataParallelMesh, strategy: ShardingStrategy, shard_block,
                        placement_fn, unit: str) -> list[ParamSlot]:
     """Which dimension each parameter is chunked on (None: replicated)."""
+    if not slots:
+        return []
     if strategy == ShardingStrategy.NO_SHARD:
-        return [_with_dim(s, None) for s in slots]
+        return [s.with_dim(None) for s in slots]
     if placement_fn is not None and shard_block is not None:
         raise ValueError(f"unit '{unit}': pass shard_placement_fn or shard_block, not both")
-    world = mesh.size()
+    world = mesh.shard.size()
     out, kept_whole = [], []
     for slot in slots:
         dim = _chosen_dim(placement_fn, slot, world, unit) if placement_fn is not None else None
         if dim is None:
-            dim = shard_dim_for(tuple(slot.param.shape), world, shard_block)
+            dim = shard_dim_for(slot.local_shape, world, shard_block)
         if dim is None and slot.param.dim() > 0:
-            kept_whole.append(f"{slot.fqn} {tuple(slot.param.shape)}")
-        out.append(_with_dim(slot, dim))
+            kept_whole.append(f"{slot.fqn} {slot.local_shape}")
+        _check_strided(slot, dim, world, unit)
+        out.append(slot.with_dim(dim))
     if kept_whole:
         warnings.warn(f"unit '{unit}': no dimension of {', '.join(kept_whole)} splits over {world} ranks in whole "
                       f"shard_block={shard_block} blocks; these stay replicated (gradients all-reduced)",
@@ -177,13 +191,13 @@ def _chosen_dim(placement_fn, slot: ParamSlot, world: int, unit: str) -> int | N
     if not isinstance(choice, Shard):
         raise TypeError(f"unit '{unit}': shard_placement_fn returned {choice!r} for '{slot.fqn}'; "
                         "expected Shard(dim) or None")
-    ndim = slot.param.dim()
+    ndim, shape = slot.param.dim(), slot.local_shape
     dim = choice.dim + ndim if choice.dim < 0 else choice.dim
     if not 0 <= dim < max(ndim, 1):
         raise PlacementError(f"Shard dim {choice.dim} is invalid for {ndim}D tensor: unit '{unit}', parameter "
-                             f"'{slot.fqn}' of shape {tuple(slot.param.shape)}")
-    if dim > 0 and slot.param.shape[dim] % world:
-        raise PlacementError(f"unit '{unit}': parameter '{slot.fqn}' of shape {tuple(slot.param.shape)} is asked to "
+                             f"'{slot.fqn}' of shape {shape}")
+    if dim > 0 and shape[dim] % world:
+        raise PlacementError(f"unit '{unit}': parameter '{slot.fqn}' of shape {shape} is asked to "
                              f"shard on dim {dim}, whose size does not split evenly over {world} ranks "
                              "(only dim 0 may be chunked unevenly)")
     return dim
@@ -194,14 +208,44 @@ class PlacementError(ValueError, AssertionError):
     AssertionError: FSDP2 raises one here, and code written for it catches that.)"""
 
 
-def _with_dim(slot: ParamSlot, dim: int | None) -> ParamSlot:
-    return ParamSlot(slot.fqn, slot.param, slot.locations, slot.keys, dim)
+def _with_tensor_parallel(slot: ParamSlot, unit: str) -> ParamSlot:
+    """Record how a DTensor parameter (tensor / sequence parallel) is placed;
+    flatfsdp shards its local tensor."""
+    param = slot.param
+    if not isinstance(param, DTensor):
+        return slot
+    if param.is_meta:
+        raise NotImplementedError(f"unit '{unit}': parameter '{slot.fqn}' is a meta-device DTensor; "
+                                  "init_model_with_meta_device with tensor-parallel parameters is not supported "
+                                  "yet: materialise the tensor-parallel model before fully_shard")
+    spec = TensorParallelSpec(param.device_mesh, tuple(param.placements), param.shape)
+    return dataclasses.replace(slot, tp=spec)
 
 
-def _group(slots: list[ParamSlot]) -> "OrderedDict[tuple, list[ParamSlot]]":
+def _check_strided(slot: ParamSlot, dim: int | None, world: int, unit: str) -> None:
+    """Chunking a dimension tensor parallelism already splits gives a
+    ``_StridedShard`` placement, which DTensor supports only for even chunks."""
+    if dim is None or slot.tp is None or slot.tp.shards_dim(dim) == 1:
+        return
+    if slot.local_shape[dim] % world:
+        raise PlacementError(
+            f"unit '{unit}': tensor-parallel parameter '{slot.fqn}' (local shape {slot.local_shape}) is split on "
+            f"dim {dim} by tensor parallelism and cannot also be chunked evenly on it over {world} data-parallel "
+            "ranks; DTensor needs even chunks there. Pick another dimension with shard_placement_fn, or a size "
+            "that divides")
+
+
+def _is_expert(param: nn.Parameter) -> bool:
+    """Megatron-Core marks expert parameters ``allreduce = False`` (their
+    gradients are reduced over the expert data-parallel group only)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def _group(slots: list[ParamSlot], experts: set[int]) -> "OrderedDict[tuple, list[ParamSlot]]":
     groups: OrderedDict[tuple, list[ParamSlot]] = OrderedDict()
     for slot in slots:
-        key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None)
+        tp_mesh = id(slot.tp.mesh) if slot.tp is not None else None
+        key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, id(slot.param) in experts)
         groups.setdefault(key, []).append(slot)
     return groups
 

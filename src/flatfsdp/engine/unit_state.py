@@ -227,7 +227,9 @@ class UnitState:
             if self.requires_grad_sync:
                 for group in self.groups:
                     request = group.reduction_request(self.average_grads, self.controls.gradient_divide_factor,
-                                                      self.controls.all_reduce_hook)
+                                                      self.controls.all_reduce_hook,
+                                                      all_reduce=self.controls.requires_all_reduce,
+                                                      defer_to_step=not self.sync_each_microbatch)
                     if request is not None:
                         request.unit = self.path or "<root>"
                         self.context.submit_reduction(request)
