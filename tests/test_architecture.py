@@ -21,7 +21,7 @@ LAYERS = {
     "device": 1, "precision": 1, "buffer": 1, "views": 1, "mesh": 1, "host_memory": 1, "placement": 1,
     "structures": 1, "watchdog": 1, "fsdp2_args": 1,
     "exchange": 2, "collectives": 2, "fingerprint": 2,
-    "gather": 3, "coalesce": 3, "reduction_queue": 3,
+    "gather": 3, "coalesce": 3, "reduction_queue": 3, "outer_shard": 3,
     "param_group": 4,
     "root_context": 5, "unit_state": 5, "fsdp_module": 5, "meta_init": 5, "tied_params": 5, "state_dict": 5,
     "unit_classes": 5, "stale_optimizers": 5, "conversion": 5,

@@ -100,8 +100,9 @@ def _group_bytes(model, kind: str) -> list[tuple]:
     for state in unit_states(model):
         for group in state.groups:
             if group.trainable:
+                pieces = group.outer_shard.numel if group.outer_shard is not None else None
                 out.append((group.layout.shard_numel, group.grads.data.element_size(), group.placement.sharded,
-                            group.layout.unsharded_numel))
+                            group.layout.unsharded_numel, pieces))
     return out
 
 
@@ -163,6 +164,15 @@ def _scenarios(rank, world):
                                             before=before)
         out[f"accum_{name}_comm"] = comm[-1]
         out[f"accum_{name}_groups"] = _group_bytes(model, "grads")
+
+    # ---- HFSDP: optimizer state sharded across the outer dimension too -------------------------
+    for name, kw, microbatches in (("hfsdp", {}, 1), ("hfsdp_accum", dict(sync_model_each_microbatch=False), 2)):
+        model, ref, opt = make(outer_dp_sharding_strategy="optim", **kw)
+        out[f"{name}_placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
+        out[name], comm = _train(model, ref, opt, dp_index=rank, dp_ways=world, microbatches=microbatches)
+        out[f"{name}_comm"] = comm[-1]
+        out[f"{name}_groups"] = _group_bytes(model, "grads")
+        out[f"{name}_persistent"] = flatfsdp.persistent_buffer_bytes(model)
 
     # ---- Context parallel: shard and reduce over the flattened (dp_shard, cp) -------------------
     cp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
@@ -312,8 +322,8 @@ def _reduce_bytes(groups) -> tuple[int, int]:
     unsharded gradient buffer (W x S elements) over the shard dimension and
     all-reduces its chunk (S) across replicas; a replicated one all-reduces
     its whole buffer on both."""
-    inner = sum(full * item for _s, item, _sharded, full in groups)
-    outer = sum((s if sharded else full) * item for s, item, sharded, full in groups)
+    inner = sum(full * item for _s, item, _sharded, full, _p in groups)
+    outer = sum((s if sharded else full) * item for s, item, sharded, full, _p in groups)
     return inner, outer
 
 
@@ -353,9 +363,52 @@ def test_hsdp_persistent_memory_is_the_shard_groups():
     for strategy in (1, 2, 3):
         groups = _all(f"hsdp_zero{strategy}_groups")[0]
         per_group = {1: lambda s, n: 2 * n, 2: lambda s, n: n + s, 3: lambda s, n: 2 * s}[strategy]
-        expected = sum(4 * per_group(s, n) for s, _item, _sharded, n in groups)
+        expected = sum(4 * per_group(s, n) for s, _item, _sharded, n, _p in groups)
         assert _all(f"hsdp_zero{strategy}_persistent")[0] == expected
-        assert all(n == 2 * s for s, _i, _sh, n in groups)  # chunks over dp_shard (2), not over all 4 ranks
+        assert all(n == 2 * s for s, _i, _sh, n, _p in groups)  # chunks over dp_shard (2), not over all 4 ranks
+
+
+# ---- HFSDP ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["hfsdp", "hfsdp_accum"])
+def test_hfsdp_matches_unsharded_training(name):
+    assert max(_all(name)) < TOL
+
+
+def test_hfsdp_pieces_are_placed_strided_over_both_dimensions():
+    placements = _all("hfsdp_placements")[0]
+    # dim 0 of 2 x DIM rows and DIM rows divides by 2 x 2: inner chunk, then its outer piece.
+    assert placements["blocks.0.w1.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["blocks.0.w2.bias"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    # 5 rows do not: that parameter stays replicated across the outer dimension (HSDP).
+    assert placements["head.weight"] == "(Replicate(), Shard(dim=0))"
+
+
+@pytest.mark.parametrize("name", ["hfsdp", "hfsdp_accum"])
+def test_hfsdp_outer_traffic_is_one_reduce_scatter_and_one_gather_per_step(name):
+    comm, groups = _all(f"{name}_comm")[0], _all(f"{name}_groups")[0]
+    hybrid = [g for g in groups if g[4] is not None]
+    others = [g for g in groups if g[4] is None]
+    assert hybrid and others
+    outer = comm["dp_outer"]
+    # The pieces table of a hybrid group is outer x pieces elements, once each way per step
+    # (one collective per hybrid group), however many microbatches.
+    table = sum(2 * p * item for _s, item, _sh, _f, p in hybrid)
+    assert outer["reduce_scatter"] == {"count": len(hybrid), "bytes": table}
+    assert outer["all_gather"] == {"count": len(hybrid), "bytes": table}
+    # HSDP groups: their chunk all-reduced once.
+    assert outer["all_reduce"]["bytes"] == sum(s * item for s, item, _sh, _f, _p in others)
+
+
+def test_hfsdp_persistent_memory_follows_the_formula():
+    """(weights) / inner + (main weights + main grads) / (inner x outer) for
+    hybrid groups; HSDP ZeRO-3 for the rest (docs/meshes.md)."""
+    groups = _all("hfsdp_groups")[0]
+    expected = sum(4 * (s + 2 * p) if p is not None else 4 * 2 * s for s, _i, _sh, _f, p in groups)
+    assert _all("hfsdp_persistent")[0] == expected
+    for s, _i, _sh, _f, p in groups:
+        if p is not None:
+            assert p <= s // 2 + 8 * 4  # half the chunk, up to alignment
 
 
 # ---- context parallel ---------------------------------------------------------------------------
@@ -391,7 +444,7 @@ def test_tensor_parallel_placements_compose(style):
 def test_tensor_parallel_gradients_are_reduced_over_dp_only(style):
     comm, groups = _all(f"tp_{style}_comm")[0], _all(f"tp_{style}_groups")[0]
     assert set(comm) == {"dp"}
-    assert comm["dp"]["reduce_scatter"]["bytes"] == sum(f * item for _s, item, _sh, f in groups)
+    assert comm["dp"]["reduce_scatter"]["bytes"] == sum(f * item for _s, item, _sh, f, _p in groups)
 
 
 # ---- expert parallel ----------------------------------------------------------------------------

@@ -145,7 +145,8 @@ def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed
     given = mesh if mesh is not None else device_mesh
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     dp_mesh = resolve_dp_mesh(given, dp_shard_dim, nd["dp_outer_dim"])
-    _check_outer_strategy(nd["outer_dp_sharding_strategy"], dp_mesh)
+    if _shards_across_outer(nd["outer_dp_sharding_strategy"], dp_mesh, strategy):
+        dp_mesh = dp_mesh.with_outer_sharding()
     check_hybrid_group(nd["hybrid_fsdp_group"], dp_mesh)
     _check_tp_dim(nd["tp_dim"], given)
     check_device(extra.get("device"), dp_mesh.shard)
@@ -163,20 +164,22 @@ def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed
     )
 
 
-def _check_outer_strategy(value: int | str, dp_mesh) -> None:
-    """Megatron-FSDP's ``outer_dp_sharding_strategy``: replicas across the
-    outer dimension ("no_shard", HSDP). Sharding the optimizer across it too
-    (HFSDP, "optim") is not built yet and says so."""
+def _shards_across_outer(value: int | str, dp_mesh, strategy: ShardingStrategy) -> bool:
+    """Megatron-FSDP's ``outer_dp_sharding_strategy``: "no_shard" (0) keeps
+    replicas across the outer dimension (HSDP); "optim" (1) shards the main
+    weights and optimizer state across it too (HFSDP), over inner ZeRO-3."""
     outer = ShardingStrategy.parse(value)
     if outer == ShardingStrategy.NO_SHARD:
-        return
+        return False
     if dp_mesh.outer is None:
         raise ValueError(f"outer_dp_sharding_strategy={value!r} needs an outer dimension (dp_outer_dim=)")
     if outer != ShardingStrategy.OPTIM:
         raise ValueError(f"outer_dp_sharding_strategy={value!r}: only no_shard (0) and optim (1) exist across "
                          "the outer dimension")
-    raise NotImplementedError("outer_dp_sharding_strategy='optim' (HFSDP: optimizer state sharded across the outer "
-                              "dimension too) is not implemented yet; use 'no_shard' (HSDP)")
+    if strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(f"outer_dp_sharding_strategy={value!r} (HFSDP) needs zero_dp_strategy=3 "
+                         f"(optim_grads_params) inside each replica, got {strategy.name.lower()}")
+    return True
 
 
 def _check_tp_dim(tp_dim: str | None, mesh: DeviceMesh | None) -> None:

@@ -34,6 +34,9 @@ class DataParallelMesh:
     grad_world: int | None = None
     """How many data-parallel ranks' gradients are averaged (defaults to
     shard x outer; expert parameters use the global data-parallel size)."""
+    outer_shards_optimizer: bool = False
+    """HFSDP (Megatron-FSDP's ``outer_dp_sharding_strategy="optim"``): the
+    optimizer's share is split across ``outer`` too."""
 
     def __post_init__(self):
         if self.spmd is None:
@@ -60,8 +63,8 @@ class DataParallelMesh:
         """Names of the spmd mesh's dimensions (for error messages and the account)."""
         return tuple(self.spmd.mesh_dim_names or (f"dim{i}" for i in range(self.spmd.ndim)))
 
-    def with_grad_world(self, grad_world: int) -> "DataParallelMesh":
-        return DataParallelMesh(self.shard, self.outer, self.spmd, grad_world)
+    def with_outer_sharding(self) -> "DataParallelMesh":
+        return DataParallelMesh(self.shard, self.outer, self.spmd, self.grad_world, outer_shards_optimizer=True)
 
 
 def require_initialized() -> None:

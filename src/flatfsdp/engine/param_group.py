@@ -35,6 +35,7 @@ from flatfsdp.engine.buffer import FlatBuffer
 from flatfsdp.engine.coalesce import GatherRequest, ReduceRequest
 from flatfsdp.engine.gather import GatherPlan
 from flatfsdp.engine.layout import build_group_layout
+from flatfsdp.engine.outer_shard import OuterShard
 from flatfsdp.engine.placement import GroupPlacement, TensorParallelSpec
 from flatfsdp.engine.precision import MixedPrecisionPolicy
 
@@ -97,6 +98,13 @@ class ParamGroup:
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
         self.layout = build_group_layout([s.local_shape for s in slots], placement.world,
                                          [s.shard_dim for s in slots], direct_min_numel=DIRECT_MIN_BYTES // itemsize)
+        self.outer_shard = OuterShard(self.layout, self.outer_pg, self.index) if placement.hybrid else None
+        """HFSDP: the main weights and grads are this rank's piece of its chunks
+        (see outer_shard); None: they are the chunks themselves."""
+        self._inner_partial: torch.Tensor | None = None
+        """HFSDP, reductions deferred: inner-reduced gradient chunks still to be
+        reduce-scattered across the outer dimension."""
+        self._pending_scale = 1.0
         self.bound_optimizers: weakref.WeakSet = weakref.WeakSet()
         """Optimizers bound by fully_shard_optimizer that step these parameters."""
         self._written = 0
@@ -121,7 +129,12 @@ class ParamGroup:
         same = self.main_dtype == self.compute_dtype
         self.unsharded = FlatBuffer(full, self.compute_dtype, device, name="model weights")
         self.model_local: torch.Tensor | None = None
-        if not place.keep_model_weights:
+        main_numel = shard if self.outer_shard is None else self.outer_shard.numel
+        if self.outer_shard is not None:
+            # The main weights are a piece of the chunks: never the same tensor.
+            self.model_local = torch.empty(shard, dtype=self.compute_dtype, device=device)
+            self.main = torch.empty(main_numel, dtype=self.main_dtype, device=device)
+        elif not place.keep_model_weights:
             self.model_local = torch.empty(shard, dtype=self.compute_dtype, device=device)
             self.main = self.model_local if same else torch.empty(shard, dtype=self.main_dtype, device=device)
         else:
@@ -133,13 +146,14 @@ class ParamGroup:
             self.grads = FlatBuffer(full, self.reduce_dtype, device, allocated=place.keep_grad_buffer,
                                     name="gradients")
             # A kept buffer's own row doubles as the main grads in one dtype.
-            self._grads_aliased = place.keep_grad_buffer and self.reduce_dtype == self.main_dtype
+            self._grads_aliased = (place.keep_grad_buffer and self.reduce_dtype == self.main_dtype
+                                   and self.outer_shard is None)
             if self._grads_aliased:
                 self.main_grad = self.grads.data[self.index * shard:(self.index + 1) * shard]
             else:
                 # Its own buffer: released between steps once the optimizer
                 # has dropped the grads (see release_consumed_grads).
-                self._main_grad_buffer = FlatBuffer(shard, self.main_dtype, device, name="main grads")
+                self._main_grad_buffer = FlatBuffer(main_numel, self.main_dtype, device, name="main grads")
                 self.main_grad = self._main_grad_buffer.data.zero_()
             self._scratch_grad = FlatBuffer(full, self.reduce_dtype, device, allocated=False, name="scratch")
         self.gather_plan = None
@@ -153,10 +167,18 @@ class ParamGroup:
         p = self.layout.params[index]
         if self._main_in_unsharded:
             return views.unsharded_chunk(self.main, p, self.index)
-        return views.local_chunk(self.main, p, self.index)
+        return self._main_view(self.main, index)
+
+    def _main_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s part of a main-weights-shaped buffer (main weights or main grads)."""
+        if self.outer_shard is not None:
+            return views.local_chunk(flat, self.outer_shard.pieces.params[index], self.outer_shard.index)
+        return views.local_chunk(flat, self.layout.params[index], self.index)
 
     def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
-        """This rank's chunk of a full-size value of parameter ``index``."""
+        """This rank's chunk (HFSDP: piece) of a full-size value of parameter ``index``."""
+        if self.outer_shard is not None:
+            return views.chunk_of(full, self.outer_shard.pieces.params[index], self.outer_shard.index)
         return views.chunk_of(full, self.layout.params[index], self.index)
 
     def _fill_from_params(self) -> None:
@@ -173,7 +195,7 @@ class ParamGroup:
             # Replicas must agree: the first replica's values win.
             if not self.placement.sharded and self.pg.size() > 1:
                 torch.distributed.broadcast(self.main, group=self.pg, group_src=0)
-            if self.outer_pg is not None:
+            if self.outer_pg is not None and self.outer_shard is None:
                 torch.distributed.broadcast(self.main, group=self.outer_pg, group_src=0)
         # Model weights are synced from the main weights before first use
         # (ZeRO-1/2 gather them, so every replica agrees).
@@ -189,7 +211,7 @@ class ParamGroup:
             local = DTensor.from_local(self.main_chunk(index), mesh, placements, **spec)
             self.sharded_params.append(nn.Parameter(local, requires_grad=self.trainable))
             if self.trainable:
-                grad = views.local_chunk(self.main_grad, p, self.index)
+                grad = self._main_view(self.main_grad, index)
                 self._grad_dtensors.append(DTensor.from_local(grad, mesh, placements, **spec))
         if self.trainable:
             self._destinations: dict[int, list] = {}
@@ -262,7 +284,10 @@ class ParamGroup:
         if not self.placement.keep_model_weights:
             if self.model_local is not self.main and not self._in_sync():
                 with torch.no_grad():
-                    self.model_local.copy_(self.main)
+                    if self.outer_shard is not None:
+                        self.outer_shard.all_gather(self.main, self.model_local)  # once per optimizer step
+                    else:
+                        self.model_local.copy_(self.main)
                 self._mark_synced()
             self.unsharded.alloc()
             return GatherRequest(self.gather_plan, self.pg)
@@ -405,12 +430,12 @@ class ParamGroup:
         if not self.placement.sharded:
             request = ReduceRequest("all_reduce", accum.data, accum.data, self.pg)
         else:
-            direct = not has_data and self.main_grad.dtype == self.reduce_dtype
+            direct = not has_data and self.main_grad.dtype == self.reduce_dtype and self.outer_shard is None
             result = self.main_grad if direct else torch.empty(
                 self.layout.shard_numel, dtype=self.reduce_dtype, device=self.main_grad.device)
             request = ReduceRequest("reduce_scatter", accum.data, result, self.pg)
         outer_now = self.outer_pg is not None and all_reduce and not (defer_to_step and len(self.bound_optimizers))
-        if outer_now and not self._outer_due:
+        if outer_now and not self._outer_due and self.outer_shard is None:
             # Only this backward's sums lack the replicas': the request
             # all-reduces just them (coalesced with the rest of its bucket).
             request.outer = self.outer_pg
@@ -424,6 +449,8 @@ class ParamGroup:
         """Wait for the reduction in flight and do any all-reduce across
         replicas still owed: the main grads are then final."""
         self.wait_reduction()
+        if self._inner_partial is not None:
+            self._deliver(self._outer_reduce(), self._main_grad_has_data(), self._pending_scale)
         if self._outer_due:
             self._outer_due = False
             collectives.all_reduce(self.main_grad, self.outer_pg).wait()
@@ -449,18 +476,47 @@ class ParamGroup:
     def _finish_reduction(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, scale: float,
                           outer_now: bool) -> None:
         self._inflight = None
+        if self.outer_shard is not None:
+            # HFSDP: sum inner-reduced chunks until the outer reduce-scatter is due.
+            if self._inner_partial is None:
+                self._inner_partial = result
+            else:
+                self._inner_partial.add_(result)
+            self._pending_scale = scale
+            if accum is self._scratch_grad or not self.placement.keep_grad_buffer:
+                accum.free()
+            if not outer_now:
+                return
+            result, has_data = self._outer_reduce(), self._main_grad_has_data()
+            accum = None
+        self._deliver(result, has_data, scale, outer_now, accum)
+
+    def _outer_reduce(self) -> torch.Tensor:
+        """HFSDP: reduce-scatter the summed chunks across the outer dimension;
+        returns this rank's piece (not yet scaled)."""
+        partial, self._inner_partial = self._inner_partial, None
+        piece = torch.empty(self.outer_shard.numel, dtype=partial.dtype, device=partial.device)
+        self.outer_shard.reduce_scatter(partial, piece)
+        return piece
+
+    def _deliver(self, result: torch.Tensor, has_data: bool, scale: float, outer_now: bool = True,
+                 accum: FlatBuffer | None = None) -> None:
+        """Reduced gradients into the main grads (summing into unconsumed ones),
+        then hand the optimizer its ``.grad`` views."""
+        if self._main_grad_buffer is not None:
+            self._main_grad_buffer.alloc()
         with torch.no_grad():
             if has_data:
-                for p, grad in zip(self.layout.params, self.sharded_params):
+                for index, grad in enumerate(self.sharded_params):
                     if grad.grad is None:
-                        views.local_slot(self.main_grad, p).zero_()
+                        self._main_view(self.main_grad, index).zero_()
                 self.main_grad.add_(result, alpha=scale)
             elif result.data_ptr() == self.main_grad.data_ptr():
                 if scale != 1.0:
                     self.main_grad.mul_(scale)
             else:
                 torch.mul(result, scale, out=self.main_grad)
-        if self.outer_pg is not None:
+        if self.outer_pg is not None and self.outer_shard is None:
             if outer_now and self._outer_due:
                 # Earlier backwards' sums are in the main grads too: all-reduce the lot, once.
                 collectives.all_reduce(self.main_grad, self.outer_pg).wait()
@@ -470,7 +526,7 @@ class ParamGroup:
                 sp.grad = self._grad_dtensors[i]
             self._used[i] = False
         self._delivered += 1
-        if accum is self._scratch_grad or not self.placement.keep_grad_buffer:
+        if accum is not None and (accum is self._scratch_grad or not self.placement.keep_grad_buffer):
             accum.free()
 
     # ---- accounting ---------------------------------------------------------------------

@@ -64,15 +64,19 @@ class GroupPlacement:
     False: allocated from a unit's backward to its reduction (ZeRO-2/3)."""
     tp_mesh: DeviceMesh | None = None
     """The tensor-parallel mesh every parameter of the group is a DTensor on (None: plain tensors)."""
+    hybrid: bool = False
+    """HFSDP: main weights, main grads and optimizer state are sharded across
+    the outer dimension as well (see outer_shard)."""
 
     @classmethod
     def resolve(cls, strategy: ShardingStrategy, dp: DataParallelMesh, *, replicate: bool = False,
-                tp_mesh: DeviceMesh | None = None) -> "GroupPlacement":
+                tp_mesh: DeviceMesh | None = None, hybrid: bool = False) -> "GroupPlacement":
         if replicate or strategy == ShardingStrategy.NO_SHARD:
             return cls(dp, sharded=False, keep_model_weights=True, keep_grad_buffer=True, tp_mesh=tp_mesh)
         return cls(dp, sharded=True,
                    keep_model_weights=strategy < ShardingStrategy.OPTIM_GRADS_PARAMS,
-                   keep_grad_buffer=strategy < ShardingStrategy.OPTIM_GRADS, tp_mesh=tp_mesh)
+                   keep_grad_buffer=strategy < ShardingStrategy.OPTIM_GRADS, tp_mesh=tp_mesh,
+                   hybrid=hybrid and dp.outer is not None)
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -95,6 +99,9 @@ class GroupPlacement:
         state's) local chunk: one per data-parallel dimension, then the
         tensor-parallel ones. Where tensor parallelism already splits the
         dimension chunked here, the chunk is of the local shard: ``_StridedShard``."""
+        if self.hybrid:
+            # Inner chunk i, then its o-th piece: see outer_shard.
+            return _StridedShard(0, split_factor=self.dp.shard.size()), Shard(0)
         outer = (Replicate(),) if self.dp.outer is not None else ()
         if param.shard_dim is None:
             dp: Placement = Replicate()

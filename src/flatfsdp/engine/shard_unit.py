@@ -17,6 +17,7 @@ from flatfsdp.engine.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.engine.layout import shard_dim_for
 from flatfsdp.engine.mesh import DataParallelMesh, mesh_device
 from flatfsdp.engine.meta_init import materialize_meta
+from flatfsdp.engine.outer_shard import splits_evenly
 from flatfsdp.engine.param_group import ParamGroup, ParamSlot
 from flatfsdp.engine.placement import GroupPlacement, TensorParallelSpec
 from flatfsdp.engine.precision import MixedPrecisionPolicy
@@ -60,9 +61,10 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     meta_originals: dict = {}
     pending_init = materialize_meta(units, slots, device, meta_originals)
     groups = []
-    for (_dtype, _grad, replicated, _tp, expert), members in _group(slots, experts).items():
+    for (_dtype, _grad, replicated, _tp, expert, hybrid), members in _group(slots, experts, mesh).items():
         tp_mesh = members[0].tp.mesh if members[0].tp is not None else None
-        placement = GroupPlacement.resolve(strategy, meshes[expert], replicate=replicated, tp_mesh=tp_mesh)
+        placement = GroupPlacement.resolve(strategy, meshes[expert], replicate=replicated, tp_mesh=tp_mesh,
+                                           hybrid=hybrid)
         groups.append(ParamGroup(members, placement=placement, policy=policy, device=device))
     for group in groups:
         group.use_sharded_params()
@@ -241,11 +243,16 @@ def _is_expert(param: nn.Parameter) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def _group(slots: list[ParamSlot], experts: set[int]) -> "OrderedDict[tuple, list[ParamSlot]]":
+def _group(slots: list[ParamSlot], experts: set[int], mesh: DataParallelMesh) -> "OrderedDict[tuple, list[ParamSlot]]":
     groups: OrderedDict[tuple, list[ParamSlot]] = OrderedDict()
     for slot in slots:
         tp_mesh = id(slot.tp.mesh) if slot.tp is not None else None
-        key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, id(slot.param) in experts)
+        expert = id(slot.param) in experts
+        # HFSDP where DTensor can describe the piece (see outer_shard); the
+        # rest stays replicated across the outer dimension (HSDP).
+        hybrid = (mesh.outer_shards_optimizer and not expert and slot.tp is None
+                  and splits_evenly(slot.local_shape, slot.shard_dim, mesh.size))
+        key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, expert, hybrid)
         groups.setdefault(key, []).append(slot)
     return groups
 
