@@ -131,3 +131,25 @@ def _no_reset_worker(rank, world):
     except ValueError as err:
         return str(err)
     return None
+
+
+def _unseeded_worker(rank, world):
+    """No seed anywhere: torch draws each process's initial seed at random."""
+    seed = torch.initial_seed()
+    with torch.device("meta"):
+        model = GPT(CFG)
+    for block in model.blocks:
+        flatfsdp.fully_shard(block)
+    flatfsdp.fully_shard(model)
+    return seed, _values(model)
+
+
+def test_unseeded_meta_init_follows_the_first_rank_seed():
+    """Every rank initialises its chunks from the same seed (the first rank's),
+    so the sharded model is one consistent model: reset_parameters with that
+    seed in one process rebuilds it exactly."""
+    (seed0, values), (seed1, _) = run_ranks(_unseeded_worker, 2)
+    assert seed0 != seed1  # the premise: the processes' own seeds differ
+    reference = flatfsdp.reset_parameters(GPT(CFG), seed0 & 0x7FFF_FFFF_FFFF_FFFF)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(values[key], value), key

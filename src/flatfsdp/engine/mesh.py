@@ -162,12 +162,18 @@ def expert_dp_mesh(mesh: DeviceMesh, dp_shard_dim: str | None, global_dp: int) -
     some expert, so the global batch is what the loss averages over."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"expt_device_mesh must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim == 1 and (dp_shard_dim is None or dp_shard_dim not in (mesh.mesh_dim_names or ())):
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1 and (dp_shard_dim is None or dp_shard_dim not in names):
         shard = mesh
     else:
-        if dp_shard_dim is None:
-            raise ValueError(f"a {mesh.ndim}-D expt_device_mesh needs dp_shard_dim to name its data-parallel dimension")
-        shard = sub_mesh(mesh, dp_shard_dim, "expt_device_mesh[dp_shard_dim]")
+        # The README's example names the model's dimension "dp_shard_cp" and
+        # the expert mesh's "dp_shard": take dp_shard_dim where the expert mesh
+        # has it, else its "dp_shard".
+        name = dp_shard_dim if dp_shard_dim in names else "dp_shard"
+        if name not in names:
+            raise ValueError(f"expt_device_mesh (dims {list(names)}) needs a data-parallel dimension named "
+                             f"{dp_shard_dim!r} (dp_shard_dim) or 'dp_shard'")
+        shard = sub_mesh(mesh, name, "expt_device_mesh")
     return DataParallelMesh(shard, grad_world=global_dp)
 
 

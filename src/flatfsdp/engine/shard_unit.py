@@ -53,10 +53,11 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
         if dp_group is not None and dp_group.size() > 1:
             check_ranks_agree(description, dp_group.get_group(), device)
     slots = [_with_tensor_parallel(s, label) for s in slots]
-    experts = {id(s.param) for s in slots if expert_mesh is not None and _is_expert(s.param)}
+    # By name: meta-device materialisation below replaces the parameter objects.
+    experts = {s.fqn for s in slots if expert_mesh is not None and _is_expert(s.param)}
     meshes = {False: mesh, True: expert_mesh}
     slots = [chosen for expert in (False, True)
-             for chosen in _choose_placements([s for s in slots if (id(s.param) in experts) == expert],
+             for chosen in _choose_placements([s for s in slots if (s.fqn in experts) == expert],
                                               meshes[expert], strategy, shard_block, shard_placement_fn, label)]
     meta_originals: dict = {}
     pending_init = materialize_meta(units, slots, device, meta_originals)
@@ -74,13 +75,28 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
                       bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else _checked_bucket(bucket_bytes))
     state.pending_init = pending_init
     state.meta_originals = meta_originals
-    state.init_seed = torch.initial_seed() if meta_init_seed is None else meta_init_seed
+    state.init_seed = meta_init_seed if meta_init_seed is not None else _agreed_seed(mesh, device, pending_init)
     for index, module in enumerate(units):
         become_fsdp_module(module, state)
         install_state_dict_hooks(module, index)
     for module in units:
         _name_units_under(module)
     return state
+
+
+def _agreed_seed(mesh: DataParallelMesh, device: torch.device, pending_init: list) -> int:
+    """The seed meta-device initialisation uses when none is given: this
+    process's ``torch.initial_seed()``, which torch draws at random per
+    process unless the user seeds it -- so the first data-parallel rank's,
+    or ranks would initialise their chunks (and replicas) from different seeds."""
+    seed = torch.initial_seed() & 0x7FFF_FFFF_FFFF_FFFF
+    if not pending_init:
+        return seed
+    value = torch.tensor([seed], dtype=torch.int64, device=device)
+    for dp_group in (mesh.shard, mesh.outer):
+        if dp_group is not None and dp_group.size() > 1:
+            torch.distributed.broadcast(value, group=dp_group.get_group(), group_src=0)
+    return int(value.item())
 
 
 def _check_units(units: list[nn.Module], label: str) -> None:
@@ -243,11 +259,11 @@ def _is_expert(param: nn.Parameter) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def _group(slots: list[ParamSlot], experts: set[int], mesh: DataParallelMesh) -> "OrderedDict[tuple, list[ParamSlot]]":
+def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh) -> "OrderedDict[tuple, list[ParamSlot]]":
     groups: OrderedDict[tuple, list[ParamSlot]] = OrderedDict()
     for slot in slots:
         tp_mesh = id(slot.tp.mesh) if slot.tp is not None else None
-        expert = id(slot.param) in experts
+        expert = slot.fqn in experts
         # HFSDP where DTensor can describe the piece (see outer_shard); the
         # rest stays replicated across the outer dimension (HSDP).
         hybrid = (mesh.outer_shards_optimizer and not expert and slot.tp is None
