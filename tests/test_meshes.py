@@ -188,6 +188,7 @@ def _scenarios(rank, world):
     out["cp"], comm = _train(model, ref, opt, dp_index=index, dp_ways=world)
     out["cp_comm"] = comm[-1]
     out["cp_shard_size"] = {p.device_mesh.size() for p in model.parameters()}
+    out["cp_memory"] = (flatfsdp.persistent_buffer_bytes(model), _group_bytes(model, "grads"))
 
     # ---- Tensor parallel: DTensor parameters, sharded over DP only ------------------------------
     for style in ("fsdp2", "megatron"):
@@ -208,6 +209,7 @@ def _scenarios(rank, world):
         out[f"tp_{style}"], comm = _train(model, ref, opt, dp_index=dp_index, dp_ways=2)
         out[f"tp_{style}_comm"] = comm[-1]
         out[f"tp_{style}_groups"] = _group_bytes(model, "grads")
+        out[f"tp_{style}_memory"] = (flatfsdp.persistent_buffer_bytes(model), out[f"tp_{style}_groups"])
 
     # ---- Expert parallel: a small mixture-of-experts block --------------------------------------
     out.update(_expert_scenario(rank, world))
@@ -287,7 +289,8 @@ def _expert_scenario(rank, world):
     for p, q in zip(model.experts[0].parameters(), ref.experts[ep].parameters()):
         diffs.append((_full(p) - q).abs().max().item())
     expert_meshes = {p.device_mesh.size() for p in model.experts.parameters()}
-    return {"ep": max(diffs), "ep_expert_mesh_sizes": expert_meshes}
+    return {"ep": max(diffs), "ep_expert_mesh_sizes": expert_meshes,
+            "ep_memory": (flatfsdp.persistent_buffer_bytes(model), _group_bytes(model, "grads"))}
 
 
 @functools.lru_cache(maxsize=1)
@@ -452,3 +455,15 @@ def test_tensor_parallel_gradients_are_reduced_over_dp_only(style):
 def test_expert_parallel_matches_unsharded_training():
     assert max(_all("ep")) < TOL
     assert _all("ep_expert_mesh_sizes")[0] == {2}  # experts sharded over their own data-parallel group
+
+
+@pytest.mark.parametrize("layout,ranks", [("cp_memory", 4), ("tp_fsdp2_memory", 2), ("tp_megatron_memory", 2),
+                                          ("ep_memory", None)])
+def test_persistent_memory_of_composed_layouts_follows_the_formula(layout, ranks):
+    """ZeRO-3 keeps per group its chunk (the main weights, fp32) and the main
+    grads: 2 x S x 4 bytes, S = N / ranks (tensor-parallel: N counts the
+    local TP shard; experts: their own data-parallel group of 2)."""
+    persistent, groups = _all(layout)[0]
+    assert persistent == sum(2 * 4 * s for s, _i, _sh, _n, _p in groups)
+    for s, _i, _sh, n, _p in groups:
+        assert n == s * (ranks or n // s)
