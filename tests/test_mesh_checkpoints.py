@@ -60,6 +60,12 @@ def _chain(rank, world, root):
         model.load_state_dict(state["model"])
         diffs[name] = max((_full(p) - truth[n]).abs().max().item() for n, p in model.named_parameters())
         placements[name] = str(model.blocks[0].w1.weight.placements)
+    # Plain full tensors (an unsharded model's state dict) load into every layout too.
+    for name, make in layouts[1:]:
+        target = make(200)
+        target.load_state_dict(truth)
+        diffs[f"plain_into_{name}"] = max((_full(p) - truth[n]).abs().max().item()
+                                          for n, p in target.named_parameters())
     save({"model": model.state_dict()}, f"{root}/last")
     if rank == 0:
         export_checkpoint(f"{root}/last", f"{root}/plain.pt")
@@ -77,7 +83,8 @@ def _results(root):
 def test_checkpoints_move_between_every_layout_with_exact_values(tmp_path_factory):
     results = _results(str(tmp_path_factory.mktemp("mesh_ckpt")))
     diffs, placements = results[0]
-    assert diffs == {"fsdp": 0.0, "tp": 0.0, "hfsdp": 0.0, "hsdp_again": 0.0, "plain": 0.0}
+    assert diffs == {"fsdp": 0.0, "tp": 0.0, "hfsdp": 0.0, "hsdp_again": 0.0, "plain": 0.0, "plain_into_fsdp": 0.0,
+                     "plain_into_tp": 0.0, "plain_into_hfsdp": 0.0, "plain_into_hsdp_again": 0.0}
     for other, _ in results[1:]:
         assert all(v == 0.0 for v in other.values())
     # The layouts really were different ones.

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def install_state_dict_hooks(module: nn.Module, index: int = 0) -> None:
@@ -56,11 +56,11 @@ def _to_local_placements(module: nn.Module, state_dict: dict, prefix: str, local
     state = module._flatfsdp_state
     state.ensure_initialized()
     for group in state.groups:
-        for index, (slot, sharded) in enumerate(zip(group.slots, group.sharded_params)):
+        for position, (slot, sharded) in enumerate(zip(group.slots, group.sharded_params)):
             for key in (prefix + k for k in _keys(slot, index) if prefix + k in state_dict):
                 value = state_dict[key]
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
-                    state_dict[key] = _placed_like(value, sharded, group, index)
+                    state_dict[key] = _placed_like(value, sharded, group, position)
                 # else: torch reports the mismatch
 
 
@@ -69,7 +69,13 @@ def _placed_like(value: torch.Tensor, sharded: DTensor, group, index: int) -> to
         if value.device_mesh == sharded.device_mesh and value.placements == sharded.placements:
             return value
         return value.redistribute(sharded.device_mesh, sharded.placements)
-    chunk = group.own_chunk_of(value.detach(), index)
+    if group.slots[index].tp is not None:
+        # Tensor parallel too: DTensor cuts this rank's part of the full value
+        # from the composed placements, from local data (no collective).
+        chunk = distribute_tensor(value.detach().to(sharded.device), sharded.device_mesh, sharded.placements,
+                                  src_data_rank=None).to_local()
+    else:
+        chunk = group.own_chunk_of(value.detach(), index)
     chunk = chunk.to(device=sharded.device, dtype=sharded.dtype)
     return DTensor.from_local(chunk, sharded.device_mesh, sharded.placements, run_check=False,
                               shape=sharded.shape, stride=sharded.stride())
