@@ -104,7 +104,7 @@ class ParamGroup:
         self._inner_partial: torch.Tensor | None = None
         """HFSDP, reductions deferred: inner-reduced gradient chunks still to be
         reduce-scattered across the outer dimension."""
-        self._pending_scale = 1.0
+        self._pending_divisor = 1.0
         self.bound_optimizers: weakref.WeakSet = weakref.WeakSet()
         """Optimizers bound by fully_shard_optimizer that step these parameters."""
         self._written = 0
@@ -424,9 +424,9 @@ class ParamGroup:
         if self._main_grad_buffer is not None:
             self._main_grad_buffer.alloc()  # no-op unless released since the last step
         if divide_factor is not None:
-            scale = 1.0 / divide_factor
+            divisor = float(divide_factor)
         else:
-            scale = 1.0 / self.placement.dp.average_over if average else 1.0
+            divisor = float(self.placement.dp.average_over) if average else 1.0
         if not self.placement.sharded:
             request = ReduceRequest("all_reduce", accum.data, accum.data, self.pg)
         else:
@@ -439,7 +439,7 @@ class ParamGroup:
             # Only this backward's sums lack the replicas': the request
             # all-reduces just them (coalesced with the rest of its bucket).
             request.outer = self.outer_pg
-        request.then.append(lambda: self._finish_reduction(accum, request.output, has_data, scale, outer_now))
+        request.then.append(lambda: self._finish_reduction(accum, request.output, has_data, divisor, outer_now))
         if hook is not None:
             request.then.append(lambda: hook(self.main_grad))
         self._inflight = request
@@ -450,7 +450,7 @@ class ParamGroup:
         replicas still owed: the main grads are then final."""
         self.wait_reduction()
         if self._inner_partial is not None:
-            self._deliver(self._outer_reduce(), self._main_grad_has_data(), self._pending_scale)
+            self._deliver(self._outer_reduce(), self._main_grad_has_data(), self._pending_divisor)
         if self._outer_due:
             self._outer_due = False
             collectives.all_reduce(self.main_grad, self.outer_pg).wait()
@@ -473,7 +473,7 @@ class ParamGroup:
         if self._inflight is not None:
             self._inflight.wait()
 
-    def _finish_reduction(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, scale: float,
+    def _finish_reduction(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, divisor: float,
                           outer_now: bool) -> None:
         self._inflight = None
         if self.outer_shard is not None:
@@ -482,24 +482,24 @@ class ParamGroup:
                 self._inner_partial = result
             else:
                 self._inner_partial.add_(result)
-            self._pending_scale = scale
+            self._pending_divisor = divisor
             if accum is self._scratch_grad or not self.placement.keep_grad_buffer:
                 accum.free()
             if not outer_now:
                 return
             result, has_data = self._outer_reduce(), self._main_grad_has_data()
             accum = None
-        self._deliver(result, has_data, scale, outer_now, accum)
+        self._deliver(result, has_data, divisor, outer_now, accum)
 
     def _outer_reduce(self) -> torch.Tensor:
         """HFSDP: reduce-scatter the summed chunks across the outer dimension;
-        returns this rank's piece (not yet scaled)."""
+        returns this rank's piece (not yet divided)."""
         partial, self._inner_partial = self._inner_partial, None
         piece = torch.empty(self.outer_shard.numel, dtype=partial.dtype, device=partial.device)
         self.outer_shard.reduce_scatter(partial, piece)
         return piece
 
-    def _deliver(self, result: torch.Tensor, has_data: bool, scale: float, outer_now: bool = True,
+    def _deliver(self, result: torch.Tensor, has_data: bool, divisor: float, outer_now: bool = True,
                  accum: FlatBuffer | None = None) -> None:
         """Reduced gradients into the main grads (summing into unconsumed ones),
         then hand the optimizer its ``.grad`` views."""
@@ -510,12 +510,14 @@ class ParamGroup:
                 for index, grad in enumerate(self.sharded_params):
                     if grad.grad is None:
                         self._main_view(self.main_grad, index).zero_()
-                self.main_grad.add_(result, alpha=scale)
+                self.main_grad.add_(result, alpha=1.0 / divisor)
             elif result.data_ptr() == self.main_grad.data_ptr():
-                if scale != 1.0:
-                    self.main_grad.mul_(scale)
+                if divisor != 1.0:  # divided, not multiplied by the inverse, as FSDP2 does
+                    self.main_grad.div_(divisor)
+            elif divisor != 1.0:
+                torch.div(result, divisor, out=self.main_grad)
             else:
-                torch.mul(result, scale, out=self.main_grad)
+                self.main_grad.copy_(result)
         if self.outer_pg is not None and self.outer_shard is None:
             if outer_now and self._outer_due:
                 # Earlier backwards' sums are in the main grads too: all-reduce the lot, once.

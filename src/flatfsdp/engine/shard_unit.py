@@ -43,7 +43,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     units = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     label = name or ", ".join(type(m).__name__ for m in units)
     _check_units(units, label)
-    slots = _owned_slots(units, exclude)
+    slots, conflicts = _owned_slots(units, exclude)
     if require_shardable:
         _refuse_unshardable(slots, label)
     device = mesh_device(mesh.shard)
@@ -74,6 +74,8 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
                       prefetch_bytes=prefetch_bytes,
                       bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else _checked_bucket(bucket_bytes))
     state.pending_init = pending_init
+    state.deferred_errors = [error for _, error in conflicts]
+    state.deferred_params = {pid for pid, _ in conflicts}
     state.meta_originals = meta_originals
     state.init_seed = meta_init_seed if meta_init_seed is not None else _agreed_seed(mesh, device, pending_init)
     for index, module in enumerate(units):
@@ -138,20 +140,24 @@ def _name_units_under(module: nn.Module) -> None:
             state.paths[state.index_of(sub)] = path
 
 
-def _owned_slots(units: list[nn.Module], exclude: frozenset[int]) -> list[ParamSlot]:
+def _owned_slots(units: list[nn.Module], exclude: frozenset[int]) -> tuple[list[ParamSlot], list[tuple[int, ValueError]]]:
     """Parameters in the units' subtrees not owned by a unit below nor
     excluded, each with every place it is registered and its state-dict key
-    under each unit module (``(module index, key)``)."""
+    under each unit module (``(module index, key)``); and the error for each
+    parameter a sibling unit sharded already (raised at the first forward,
+    where FSDP2 raises it: sharding may still be under way until then)."""
     grouped = len(units) > 1
     inner = {f"[{i}].{path}" if grouped else path: sub._flatfsdp_state for i, unit in enumerate(units)
              for path, sub in unit.named_modules() if isinstance(sub, FSDPModule) and sub is not unit}
     taken_sharded = {id(sp) for s in inner.values() for g in s.groups for sp in g.sharded_params}
     taken_original = {id(p): path for path, s in inner.items() for g in s.groups for p in g.params}
     found: OrderedDict[int, tuple[str, nn.Parameter, list, list]] = OrderedDict()
+    conflicts: list[tuple[int, ValueError]] = []
+    deferred = {pid for s in inner.values() for pid in s.deferred_params}  # reported by the unit below
     for index, unit in enumerate(units):
         for mod_name, sub in unit.named_modules(remove_duplicate=False):
             for attr, param in sub._parameters.items():
-                if param is None or id(param) in exclude or id(param) in taken_sharded:
+                if param is None or id(param) in exclude or id(param) in taken_sharded or id(param) in deferred:
                     continue
                 key = f"{mod_name}.{attr}" if mod_name else attr
                 fqn = f"[{index}].{key}" if grouped else key
@@ -160,12 +166,13 @@ def _owned_slots(units: list[nn.Module], exclude: frozenset[int]) -> list[ParamS
                 if _storage_released(param):
                     # Its memory is a released gathered buffer: a unit sharded
                     # before (a sibling, so not found above) owns it.
-                    raise already_managed(fqn, "a unit sharded earlier")
+                    conflicts.append((id(param), already_managed(fqn, "a unit sharded earlier")))
+                    continue
                 entry = found.setdefault(id(param), (fqn, param, [], []))
                 if not any(m is sub and a == attr for m, a in entry[2]):
                     entry[2].append((sub, attr))
                     entry[3].append((index, key))
-    return [ParamSlot(fqn, param, tuple(locs), tuple(keys)) for fqn, param, locs, keys in found.values()]
+    return [ParamSlot(fqn, param, tuple(locs), tuple(keys)) for fqn, param, locs, keys in found.values()], conflicts
 
 
 def _storage_released(param: nn.Parameter) -> bool:

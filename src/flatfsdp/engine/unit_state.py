@@ -51,6 +51,9 @@ class UnitState:
         self._swapped_in = False
         self._gathers: list = []
         self.pending_init: list = []
+        self.deferred_errors: list[Exception] = []
+        self.deferred_params: set[int] = set()
+        """Found while sharding, raised at the first forward (see shard_unit)."""
         self.meta_originals: dict = {}
         """Real parameter -> the meta-device parameter it replaced (an optimizer
         built on the meta model still holds the old objects)."""
@@ -246,6 +249,9 @@ class UnitState:
         from flatfsdp.engine.stale_optimizers import check_no_stale_optimizer
 
         states = unit_states(*self.modules)
+        for state in states:
+            if state.deferred_errors:
+                raise state.deferred_errors[0]
         for module in self.modules:
             check_params_stay_in_units(module)
         check_no_stale_optimizer(states)
