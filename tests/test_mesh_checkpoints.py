@@ -89,5 +89,5 @@ def test_checkpoints_move_between_every_layout_with_exact_values(tmp_path_factor
         assert all(v == 0.0 for v in other.values())
     # The layouts really were different ones.
     assert placements == {"fsdp": "(Shard(dim=0),)", "tp": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
-                          "hfsdp": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+                          "hfsdp": "(Shard(dim=0), Shard(dim=0))",
                           "hsdp_again": "(Replicate(), Shard(dim=0))"}

@@ -169,6 +169,7 @@ def _scenarios(rank, world):
     for name, kw, microbatches in (("hfsdp", {}, 1), ("hfsdp_accum", dict(sync_model_each_microbatch=False), 2)):
         model, ref, opt = make(outer_dp_sharding_strategy="optim", **kw)
         out[f"{name}_placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
+        out[f"{name}_meshes"] = {tuple(p.device_mesh.mesh_dim_names) for p in model.parameters()}
         out[name], comm = _train(model, ref, opt, dp_index=rank, dp_ways=world, microbatches=microbatches)
         out[f"{name}_comm"] = comm[-1]
         out[f"{name}_groups"] = _group_bytes(model, "grads")
@@ -378,29 +379,25 @@ def test_hfsdp_matches_unsharded_training(name):
     assert max(_all(name)) < TOL
 
 
-def test_hfsdp_pieces_are_placed_strided_over_both_dimensions():
-    placements = _all("hfsdp_placements")[0]
-    # dim 0 of 2 x DIM rows and DIM rows divides by 2 x 2: inner chunk, then its outer piece.
-    assert placements["blocks.0.w1.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
-    assert placements["blocks.0.w2.bias"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
-    # 5 rows do not: that parameter stays replicated across the outer dimension (HSDP).
-    assert placements["head.weight"] == "(Replicate(), Shard(dim=0))"
+def test_hfsdp_pieces_are_placed_over_both_dimensions():
+    """Inner chunk, then its outer piece: nested Shard(0) on the (shard,
+    outer) mesh, for any size -- 5 rows of the head included."""
+    placements, meshes = _all("hfsdp_placements")[0], _all("hfsdp_meshes")[0]
+    assert set(placements.values()) == {"(Shard(dim=0), Shard(dim=0))"}
+    assert meshes == {("dp_shard", "dp_outer")}
 
 
 @pytest.mark.parametrize("name", ["hfsdp", "hfsdp_accum"])
 def test_hfsdp_outer_traffic_is_one_reduce_scatter_and_one_gather_per_step(name):
     comm, groups = _all(f"{name}_comm")[0], _all(f"{name}_groups")[0]
     hybrid = [g for g in groups if g[4] is not None]
-    others = [g for g in groups if g[4] is None]
-    assert hybrid and others
+    assert hybrid == groups  # every parameter is split across the outer dimension
     outer = comm["dp_outer"]
     # The pieces table of a hybrid group is outer x pieces elements, once each way per step
-    # (one collective per hybrid group), however many microbatches.
+    # (one collective per hybrid group), however many microbatches; no all-reduce at all.
     table = sum(2 * p * item for _s, item, _sh, _f, p in hybrid)
-    assert outer["reduce_scatter"] == {"count": len(hybrid), "bytes": table}
-    assert outer["all_gather"] == {"count": len(hybrid), "bytes": table}
-    # HSDP groups: their chunk all-reduced once.
-    assert outer["all_reduce"]["bytes"] == sum(s * item for s, item, _sh, _f, _p in others)
+    assert outer == {"reduce_scatter": {"count": len(hybrid), "bytes": table},
+                     "all_gather": {"count": len(hybrid), "bytes": table}}
 
 
 def test_hfsdp_persistent_memory_follows_the_formula():

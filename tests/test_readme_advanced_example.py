@@ -8,6 +8,7 @@ against an unsharded reference on the same global batch (issue 11)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -71,17 +72,58 @@ def _example(rank, world):
         ref(x).pow(2).mean().backward()
         optimizer.step(), ref_opt.step(), optimizer.zero_grad(), ref_opt.zero_grad()
     diff = max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-    dist.barrier()
-    return diff, placements
+    return diff, placements, _hfsdp_beside_tensor_parallel(rank, world)
+
+
+def _hfsdp_beside_tensor_parallel(rank, world):
+    """HFSDP when the data-parallel ranks are half the world (a tp dimension
+    of 2 beside them): the transposed mesh cannot be built from inside one
+    replica, so pieces are placed strided -- where dim 0 divides by inner x
+    outer -- and the rest stays HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flatfsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+    torch.manual_seed(0)
+    model = ToyModel()
+    for p in model.experts.parameters():
+        del p.allreduce  # no expert mesh here: ordinary parameters
+    ref = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optimizer = fully_shard(model, optimizer, device_mesh=mesh, dp_shard_dim="dp_shard",
+                                   dp_outer_dim="dp_outer", tp_dim="tp", outer_dp_sharding_strategy="optim",
+                                   fsdp_unit_modules=[MLP])
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    dp_index = mesh["dp_outer"].get_local_rank() * 2 + mesh["dp_shard"].get_local_rank()
+    for x in _batches(3, size=16):
+        model(_slice(x, dp_index, 4)).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        optimizer.step(), ref_opt.step(), optimizer.zero_grad(), ref_opt.zero_grad()
+    diff = max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return diff, {n: str(p.placements) for n, p in model.named_parameters()}
+
+
+@functools.lru_cache(maxsize=1)
+def _results():
+    return run_ranks(_example, 8, timeout=900)
 
 
 def test_the_readme_advanced_example_trains_like_the_unsharded_model():
-    results = run_ranks(_example, 8, timeout=900)
-    assert max(diff for diff, _ in results) < TOL
+    results = _results()
+    assert max(diff for diff, _, _ in results) < TOL
     placements = results[0][1]
-    # HFSDP over (dp_outer=2) x (dp_shard_cp=4): 4 x DIM rows split into 8 pieces.
-    assert placements["blocks.0.w1.weight"] == "(_StridedShard(dim=0, sf=4), Shard(dim=0))"
+    # HFSDP over (dp_shard_cp=4) x (dp_outer=2): each inner chunk split into outer pieces,
+    # whatever the size (the router's 2 rows leave most ranks an empty piece).
+    assert placements["blocks.0.w1.weight"] == "(Shard(dim=0), Shard(dim=0))"
+    assert placements["router.weight"] == "(Shard(dim=0), Shard(dim=0))"
     # Experts: their own 8-rank data-parallel mesh.
     assert placements["experts.0.weight"] == "(Shard(dim=0),)"
-    # 2 rows do not split over 8: kept replicated across dp_outer (HSDP).
-    assert placements["router.weight"] == "(Replicate(), Shard(dim=0))"
+
+
+def test_hfsdp_over_part_of_the_world_places_pieces_strided():
+    results = _results()
+    assert max(beside[0] for _, _, beside in results) < TOL
+    placements = results[0][2][1]
+    assert placements["blocks.0.w1.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["router.weight"] == "(Replicate(), Shard(dim=0))"  # 2 rows: kept HSDP

@@ -37,6 +37,9 @@ class DataParallelMesh:
     outer_shards_optimizer: bool = False
     """HFSDP (Megatron-FSDP's ``outer_dp_sharding_strategy="optim"``): the
     optimizer's share is split across ``outer`` too."""
+    hybrid_spmd: DeviceMesh | None = None
+    """HFSDP: the ``(shard, outer)`` mesh (``spmd`` transposed) its pieces are
+    placed ``(Shard(0), Shard(0))`` on; None where it cannot be built (see outer_shard)."""
 
     def __post_init__(self):
         if self.spmd is None:
@@ -64,7 +67,16 @@ class DataParallelMesh:
         return tuple(self.spmd.mesh_dim_names or (f"dim{i}" for i in range(self.spmd.ndim)))
 
     def with_outer_sharding(self) -> "DataParallelMesh":
-        return DataParallelMesh(self.shard, self.outer, self.spmd, self.grad_world, outer_shards_optimizer=True)
+        """HFSDP. Where the data-parallel ranks are the whole world, every rank
+        can help build the transposed mesh (new process groups are collective
+        over the world), so it is built here, once."""
+        transposed = None
+        if self.outer is not None and self.spmd.mesh.numel() == dist.get_world_size():
+            names = self.dim_names()
+            transposed = DeviceMesh(self.device_type, self.spmd.mesh.transpose(0, 1).contiguous(),
+                                    mesh_dim_names=(names[1], names[0]))
+        return DataParallelMesh(self.shard, self.outer, self.spmd, self.grad_world, outer_shards_optimizer=True,
+                                hybrid_spmd=transposed)
 
 
 def require_initialized() -> None:

@@ -3,34 +3,54 @@ the outer dimension too, its model weights and gradients across the inner
 (shard) dimension only.
 
 Rank (o, i) of an (outer, inner) mesh holds inner chunk i of every parameter,
-as ZeRO-3 over the inner group would, and of that chunk the o-th of ``outer``
-equal pieces: rows ``[(i * outer + o) * c, ... + c)`` of a dim-0 parameter of
-``n`` rows, ``c = n / (inner * outer)``. DTensor places that local tensor
-``(_StridedShard(0, split_factor=inner), Shard(0))`` on the ``(outer, inner)``
-mesh -- the placement FSDP2 gives a data-parallel chunk of a tensor-parallel
-shard -- and DTensor supports it for even chunks only, so a group is hybrid
-only when every parameter's dim 0 divides by ``inner x outer`` (the others
-stay in an HSDP group, replicated across the outer dimension).
+``torch.chunk(param, inner)[i]`` as ZeRO-3 over the inner group would, and of
+that chunk the piece ``torch.chunk(chunk, outer)[o]``. DTensor describes that
+nesting two ways:
+
+* ``(Shard(0), Shard(0))`` on the ``(inner, outer)`` mesh -- any sizes. The
+  engine builds that transposed mesh when the data-parallel ranks are the
+  whole world (a mesh over fewer ranks cannot be made without every other
+  rank's help);
+* otherwise ``(_StridedShard(0, split_factor=inner), Shard(0))`` on the
+  ``(outer, inner)`` mesh, the placement FSDP2 gives a data-parallel chunk of
+  a tensor-parallel shard, which torch supports for even chunks only: there a
+  parameter whose dim 0 does not divide by inner x outer stays HSDP.
 
 Per optimizer step the outer dimension carries one reduce-scatter of the
 inner-reduced gradients and one all-gather of the updated weights, both over
-an ``(outer, pieces)`` table that this module packs from and unpacks into the
+an ``(outer, pieces)`` table this module packs from and unpacks into the
 inner chunk buffer (whose layout keeps each parameter's chunk contiguous, so
 the per-use inner gathers stay zero-copy).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from flatfsdp.engine import collectives
-from flatfsdp.engine.layout import GroupLayout, build_group_layout
+from flatfsdp.engine.layout import ALIGN, GroupLayout, ParamLayout
 
 
 def splits_evenly(shape: tuple[int, ...], shard_dim: int | None, ranks: int) -> bool:
-    """Whether a parameter can be hybrid-sharded over ``ranks`` = inner x outer."""
+    """Whether dim 0 divides by ``ranks`` = inner x outer (the strided placement's condition)."""
     return shard_dim == 0 and len(shape) > 0 and shape[0] % ranks == 0
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Parameter ``p``'s pieces: where each outer rank's rows start in the
+    inner chunk, how many, and the slot in the pieces table."""
+
+    p: ParamLayout
+    offset: int
+    """In the pieces buffer (elements)."""
+    slot: int
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    """Rows of piece o (per outer rank o), for this rank's inner chunk."""
 
 
 class OuterShard:
@@ -38,45 +58,68 @@ class OuterShard:
 
     def __init__(self, inner: GroupLayout, outer_group: dist.ProcessGroup, inner_rank: int):
         self.inner, self.group = inner, outer_group
-        self.outer = outer_group.size()
-        world = inner.world * self.outer
-        shapes = [p.shape for p in inner.params]
-        if not all(splits_evenly(s, p.shard_dim, world) for s, p in zip(shapes, inner.params)):
-            raise ValueError("an HFSDP group holds only parameters whose dim 0 divides by inner x outer ranks")
-        self.pieces = build_group_layout(shapes, world, [0] * len(shapes))
-        """The main weights' layout: one piece (n / world rows) per parameter."""
-        self.index = inner_rank * self.outer + outer_group.rank()
-        """Which of the ``world`` pieces this rank holds (rows ``index * c``...)."""
-
-    @property
-    def numel(self) -> int:
+        self.outer, self.rank = outer_group.size(), outer_group.rank()
+        pieces, cursor = [], 0
+        for p in inner.params:
+            if p.shard_dim != 0:
+                raise ValueError("an HFSDP group holds only parameters chunked on dim 0")
+            rows = p.chunk_length(inner_rank)  # this rank's inner chunk
+            per = -(-rows // self.outer)
+            starts = tuple(min(o * per, rows) for o in range(self.outer))
+            lengths = tuple(min(rows, (o + 1) * per) - starts[o] for o in range(self.outer))
+            slot = -(-p.chunk // self.outer) * p.inner  # the fullest inner chunk's piece
+            cursor = -(-cursor // ALIGN) * ALIGN
+            pieces.append(_Piece(p, cursor, slot, starts, lengths))
+            cursor += slot
+        self.pieces = pieces
+        self.numel = -(-cursor // ALIGN) * ALIGN
         """Elements of this rank's piece buffer (main weights, main grads)."""
-        return self.pieces.shard_numel
+
+    # ---- this rank's piece of parameter ``index`` ------------------------------------------
+
+    def piece_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's piece of parameter ``index`` in a pieces-layout buffer, at its true shape."""
+        q = self.pieces[index]
+        rows = q.lengths[self.rank]
+        return flat[q.offset:q.offset + rows * q.p.inner].view(rows, *q.p.shape[1:])
+
+    def piece_of(self, full: torch.Tensor, index: int, inner_rank: int) -> torch.Tensor:
+        """This rank's piece of a full-size value of parameter ``index``."""
+        q = self.pieces[index]
+        return full.narrow(0, q.p.chunk_start(inner_rank) + q.starts[self.rank], q.lengths[self.rank])
+
+    # ---- the outer collectives ---------------------------------------------------------------
 
     def _pairs(self, table: torch.Tensor, local: torch.Tensor) -> tuple[list, list]:
-        """(table views, inner-chunk views): parameter p's chunk seen as
-        ``outer`` pieces, against its column block of the (outer, pieces) table."""
-        rows = table.view(self.outer, self.pieces.shard_numel)
+        """(table views, inner-chunk views) of every non-empty piece of every
+        outer rank, against its row of the (outer, pieces) table."""
+        rows = table.view(self.outer, self.numel)
         tables, chunks = [], []
-        for p, q in zip(self.inner.params, self.pieces.params):
-            tables.append(rows[:, q.local_offset:q.local_offset + q.slot])
-            chunks.append(local[p.local_offset:p.local_offset + p.slot].view(self.outer, q.slot))
+        for q in self.pieces:
+            for o, (start, length) in enumerate(zip(q.starts, q.lengths)):
+                if length:
+                    n = length * q.p.inner
+                    tables.append(rows[o, q.offset:q.offset + n])
+                    begin = q.p.local_offset + start * q.p.inner
+                    chunks.append(local[begin:begin + n])
         return tables, chunks
 
     def reduce_scatter(self, chunk_sums: torch.Tensor, out: torch.Tensor) -> None:
         """Sum the inner-reduced gradient chunks (inner layout) across the
-        outer group; this rank's piece lands in ``out`` (piece layout)."""
+        outer group; this rank's piece lands in ``out`` (pieces layout)."""
         table = torch.zeros(self.outer * self.numel, dtype=chunk_sums.dtype, device=chunk_sums.device)
         tables, chunks = self._pairs(table, chunk_sums)
-        torch._foreach_copy_(tables, chunks)
+        if tables:
+            torch._foreach_copy_(tables, chunks)
         collectives.reduce_scatter(out, table, self.group).wait()
 
     def all_gather(self, piece: torch.Tensor, chunks_out: torch.Tensor) -> None:
         """Every replica's updated piece (cast to ``chunks_out``'s dtype) into
         this rank's inner chunk buffer: once per optimizer step."""
         table = torch.empty(self.outer * self.numel, dtype=chunks_out.dtype, device=chunks_out.device)
-        mine = table[self.group.rank() * self.numel:(self.group.rank() + 1) * self.numel]
+        mine = table[self.rank * self.numel:(self.rank + 1) * self.numel]
         mine.copy_(piece)
         collectives.all_gather(table, mine, self.group).wait()
         tables, chunks = self._pairs(table, chunks_out)
-        torch._foreach_copy_(chunks, tables)
+        if tables:
+            torch._foreach_copy_(chunks, tables)

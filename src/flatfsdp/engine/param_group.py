@@ -172,13 +172,13 @@ class ParamGroup:
     def _main_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s part of a main-weights-shaped buffer (main weights or main grads)."""
         if self.outer_shard is not None:
-            return views.local_chunk(flat, self.outer_shard.pieces.params[index], self.outer_shard.index)
+            return self.outer_shard.piece_view(flat, index)
         return views.local_chunk(flat, self.layout.params[index], self.index)
 
     def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's chunk (HFSDP: piece) of a full-size value of parameter ``index``."""
         if self.outer_shard is not None:
-            return views.chunk_of(full, self.outer_shard.pieces.params[index], self.outer_shard.index)
+            return self.outer_shard.piece_of(full, index, self.index)
         return views.chunk_of(full, self.layout.params[index], self.index)
 
     def _fill_from_params(self) -> None:

@@ -90,6 +90,8 @@ class GroupPlacement:
 
     def dtensor_mesh(self, fqn: str) -> DeviceMesh:
         """The mesh of the sharded parameters' DTensors."""
+        if self.hybrid and self.dp.hybrid_spmd is not None:
+            return self.dp.hybrid_spmd
         if self.tp_mesh is None:
             return self.dp.spmd
         return combined_mesh(self.dp.spmd, self.tp_mesh, fqn)
@@ -101,6 +103,8 @@ class GroupPlacement:
         dimension chunked here, the chunk is of the local shard: ``_StridedShard``."""
         if self.hybrid:
             # Inner chunk i, then its o-th piece: see outer_shard.
+            if self.dp.hybrid_spmd is not None:
+                return Shard(0), Shard(0)
             return _StridedShard(0, split_factor=self.dp.shard.size()), Shard(0)
         outer = (Replicate(),) if self.dp.outer is not None else ()
         if param.shard_dim is None:

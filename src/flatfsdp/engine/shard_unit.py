@@ -273,8 +273,8 @@ def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh) ->
         expert = slot.fqn in experts
         # HFSDP where DTensor can describe the piece (see outer_shard); the
         # rest stays replicated across the outer dimension (HSDP).
-        hybrid = (mesh.outer_shards_optimizer and not expert and slot.tp is None
-                  and splits_evenly(slot.local_shape, slot.shard_dim, mesh.size))
+        hybrid = (mesh.outer_shards_optimizer and not expert and slot.tp is None and slot.shard_dim == 0
+                  and (mesh.hybrid_spmd is not None or splits_evenly(slot.local_shape, slot.shard_dim, mesh.size)))
         key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, expert, hybrid)
         groups.setdefault(key, []).append(slot)
     return groups
