@@ -76,11 +76,12 @@ def _example(rank, world):
 
 
 def _hfsdp_beside_tensor_parallel(rank, world):
-    """HFSDP when the data-parallel ranks are half the world (a tp dimension
-    of 2 beside them): the transposed mesh cannot be built from inside one
-    replica, so pieces are placed strided -- where dim 0 divides by inner x
-    outer -- and the rest stays HSDP."""
+    """2 x 2 x 2: HFSDP over (dp_outer, dp_shard) with a tensor-parallel
+    dimension beside it. The data-parallel ranks are half the world, so
+    every replica's transposed mesh is built together; the MLPs are
+    tensor-parallel (column then row), and their DTensor parameters stay HSDP."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from flatfsdp import fully_shard
 
@@ -90,6 +91,8 @@ def _hfsdp_beside_tensor_parallel(rank, world):
     for p in model.experts.parameters():
         del p.allreduce  # no expert mesh here: ordinary parameters
     ref = copy.deepcopy(model)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, optimizer = fully_shard(model, optimizer, device_mesh=mesh, dp_shard_dim="dp_shard",
                                    dp_outer_dim="dp_outer", tp_dim="tp", outer_dp_sharding_strategy="optim",
@@ -121,9 +124,13 @@ def test_the_readme_advanced_example_trains_like_the_unsharded_model():
     assert placements["experts.0.weight"] == "(Shard(dim=0),)"
 
 
-def test_hfsdp_over_part_of_the_world_places_pieces_strided():
+def test_hfsdp_beside_tensor_parallelism_at_world_8():
     results = _results()
     assert max(beside[0] for _, _, beside in results) < TOL
     placements = results[0][2][1]
-    assert placements["blocks.0.w1.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
-    assert placements["router.weight"] == "(Replicate(), Shard(dim=0))"  # 2 rows: kept HSDP
+    # Not tensor-parallel: split over both data-parallel dimensions, any size (2 rows over 4 ranks).
+    assert placements["router.weight"] == "(Shard(dim=0), Shard(dim=0))"
+    assert placements["embed.weight"] == "(Shard(dim=0), Shard(dim=0))"
+    # Tensor-parallel: HSDP over (dp_outer, dp_shard), then the tp placement.
+    assert placements["blocks.0.w1.weight"] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["blocks.0.w2.weight"] == "(Replicate(), Shard(dim=0), Shard(dim=1))"

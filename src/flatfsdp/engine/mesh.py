@@ -39,7 +39,7 @@ class DataParallelMesh:
     optimizer's share is split across ``outer`` too."""
     hybrid_spmd: DeviceMesh | None = None
     """HFSDP: the ``(shard, outer)`` mesh (``spmd`` transposed) its pieces are
-    placed ``(Shard(0), Shard(0))`` on; None where it cannot be built (see outer_shard)."""
+    placed ``(Shard(0), Shard(0))`` on (see outer_shard)."""
 
     def __post_init__(self):
         if self.spmd is None:
@@ -67,14 +67,19 @@ class DataParallelMesh:
         return tuple(self.spmd.mesh_dim_names or (f"dim{i}" for i in range(self.spmd.ndim)))
 
     def with_outer_sharding(self) -> "DataParallelMesh":
-        """HFSDP. Where the data-parallel ranks are the whole world, every rank
-        can help build the transposed mesh (new process groups are collective
-        over the world), so it is built here, once."""
-        transposed = None
-        if self.outer is not None and self.spmd.mesh.numel() == dist.get_world_size():
-            names = self.dim_names()
-            transposed = DeviceMesh(self.device_type, self.spmd.mesh.transpose(0, 1).contiguous(),
-                                    mesh_dim_names=(names[1], names[0]))
+        """HFSDP, with the transposed ``(shard, outer)`` mesh its pieces are
+        placed on. New process groups are collective over the world, so every
+        replica's transposed mesh is built together, from every rank's view."""
+        if self.outer is None:
+            return self
+        mine = self.spmd.mesh.transpose(0, 1).contiguous()
+        views: list = [None] * dist.get_world_size()
+        dist.all_gather_object(views, mine.tolist())
+        replicas = sorted({tuple(map(tuple, v)) for v in views}, key=lambda v: min(min(row) for row in v))
+        names = self.dim_names()
+        stacked = torch.tensor(replicas, dtype=torch.int64)
+        whole = DeviceMesh(self.device_type, stacked, mesh_dim_names=("_hfsdp_replica", names[1], names[0]))
+        transposed = whole[(names[1], names[0])]  # this rank's replica
         return DataParallelMesh(self.shard, self.outer, self.spmd, self.grad_world, outer_shards_optimizer=True,
                                 hybrid_spmd=transposed)
 

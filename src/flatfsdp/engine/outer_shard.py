@@ -4,17 +4,10 @@ the outer dimension too, its model weights and gradients across the inner
 
 Rank (o, i) of an (outer, inner) mesh holds inner chunk i of every parameter,
 ``torch.chunk(param, inner)[i]`` as ZeRO-3 over the inner group would, and of
-that chunk the piece ``torch.chunk(chunk, outer)[o]``. DTensor describes that
-nesting two ways:
-
-* ``(Shard(0), Shard(0))`` on the ``(inner, outer)`` mesh -- any sizes. The
-  engine builds that transposed mesh when the data-parallel ranks are the
-  whole world (a mesh over fewer ranks cannot be made without every other
-  rank's help);
-* otherwise ``(_StridedShard(0, split_factor=inner), Shard(0))`` on the
-  ``(outer, inner)`` mesh, the placement FSDP2 gives a data-parallel chunk of
-  a tensor-parallel shard, which torch supports for even chunks only: there a
-  parameter whose dim 0 does not divide by inner x outer stays HSDP.
+that chunk the piece ``torch.chunk(chunk, outer)[o]``: DTensor's
+``(Shard(0), Shard(0))`` on the transposed ``(inner, outer)`` mesh, for any
+size. (FSDP2's ``_StridedShard`` on the ``(outer, inner)`` mesh would say the
+same, but torch supports it for even chunks only.)
 
 Per optimizer step the outer dimension carries one reduce-scatter of the
 inner-reduced gradients and one all-gather of the updated weights, both over
@@ -32,11 +25,6 @@ import torch.distributed as dist
 
 from flatfsdp.engine import collectives
 from flatfsdp.engine.layout import ALIGN, GroupLayout, ParamLayout
-
-
-def splits_evenly(shape: tuple[int, ...], shard_dim: int | None, ranks: int) -> bool:
-    """Whether dim 0 divides by ``ranks`` = inner x outer (the strided placement's condition)."""
-    return shard_dim == 0 and len(shape) > 0 and shape[0] % ranks == 0
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class GroupPlacement:
         return cls(dp, sharded=True,
                    keep_model_weights=strategy < ShardingStrategy.OPTIM_GRADS_PARAMS,
                    keep_grad_buffer=strategy < ShardingStrategy.OPTIM_GRADS, tp_mesh=tp_mesh,
-                   hybrid=hybrid and dp.outer is not None)
+                   hybrid=hybrid and dp.hybrid_spmd is not None)
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -90,7 +90,7 @@ class GroupPlacement:
 
     def dtensor_mesh(self, fqn: str) -> DeviceMesh:
         """The mesh of the sharded parameters' DTensors."""
-        if self.hybrid and self.dp.hybrid_spmd is not None:
+        if self.hybrid:
             return self.dp.hybrid_spmd
         if self.tp_mesh is None:
             return self.dp.spmd
@@ -102,10 +102,7 @@ class GroupPlacement:
         tensor-parallel ones. Where tensor parallelism already splits the
         dimension chunked here, the chunk is of the local shard: ``_StridedShard``."""
         if self.hybrid:
-            # Inner chunk i, then its o-th piece: see outer_shard.
-            if self.dp.hybrid_spmd is not None:
-                return Shard(0), Shard(0)
-            return _StridedShard(0, split_factor=self.dp.shard.size()), Shard(0)
+            return Shard(0), Shard(0)  # inner chunk i, then its o-th piece, on (shard, outer): see outer_shard
         outer = (Replicate(),) if self.dp.outer is not None else ()
         if param.shard_dim is None:
             dp: Placement = Replicate()

@@ -17,7 +17,6 @@ from flatfsdp.engine.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.engine.layout import shard_dim_for
 from flatfsdp.engine.mesh import DataParallelMesh, mesh_device
 from flatfsdp.engine.meta_init import materialize_meta
-from flatfsdp.engine.outer_shard import splits_evenly
 from flatfsdp.engine.param_group import ParamGroup, ParamSlot
 from flatfsdp.engine.placement import GroupPlacement, TensorParallelSpec
 from flatfsdp.engine.precision import MixedPrecisionPolicy
@@ -271,10 +270,9 @@ def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh) ->
     for slot in slots:
         tp_mesh = id(slot.tp.mesh) if slot.tp is not None else None
         expert = slot.fqn in experts
-        # HFSDP where DTensor can describe the piece (see outer_shard); the
-        # rest stays replicated across the outer dimension (HSDP).
-        hybrid = (mesh.outer_shards_optimizer and not expert and slot.tp is None and slot.shard_dim == 0
-                  and (mesh.hybrid_spmd is not None or splits_evenly(slot.local_shape, slot.shard_dim, mesh.size)))
+        # HFSDP for what is chunked on dim 0 (see outer_shard); the rest --
+        # replicated, column-chunked or tensor-parallel -- stays HSDP.
+        hybrid = mesh.outer_shards_optimizer and not expert and slot.tp is None and slot.shard_dim == 0
         key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, expert, hybrid)
         groups.setdefault(key, []).append(slot)
     return groups
