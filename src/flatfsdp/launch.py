@@ -17,6 +17,9 @@ other ranks are killed rather than left blocked in a collective forever.
 command saves a checkpoint): the parent then passes its first SIGINT on to every
 rank instead of dying, and stops the ranks only at a second one. A launch that
 fails after a SIGINT raises ``LaunchInterrupted``.
+
+A spawned rank ends with ``os._exit`` once its report is sent, never through
+interpreter shutdown, which torch's gloo threads do not survive (see `_leave`).
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ import pickle
 import queue as queue_module
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -132,6 +136,31 @@ def _rank_main(fn, rank: int, world: int, port: int, backend: str | None, thread
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    _leave(reports)
+
+
+def _leave(reports) -> NoReturn:
+    """End this rank process without interpreter finalization, once its report
+    and output are out.
+
+    The gloo group outlives ``destroy_process_group``: torch's DTensor caches
+    keep the DeviceMesh, and so the group, alive, and gloo stops its worker
+    threads only when the group is freed. A worker that has just finished a
+    collective still needs the GIL to let go of that collective's tensors
+    (torch drops their Python objects under it). Should this interpreter be
+    finalizing by then, CPython ends that thread with pthread_exit, whose
+    unwinding through torch's noexcept destructor calls std::terminate: the
+    rank aborts and stderr gets "terminate called without an active
+    exception" after a run that succeeded. Without finalization no thread is
+    asked to exit; the OS reclaims threads and sockets, as multiprocessing
+    does for every child it forks.
+    """
+    reports.close()
+    reports.join_thread()  # the report is in the pipe, where the parent reads it
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # the reader may be gone
+            stream.flush()
+    os._exit(0)
 
 
 def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, timeout_s: float | None,
