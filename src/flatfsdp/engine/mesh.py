@@ -96,7 +96,7 @@ def resolve_dp_mesh(mesh: DeviceMesh | None = None, dp_shard_dim: str | None = N
 
     * no mesh: a 1-D mesh over the default process group;
     * a 1-D mesh: shard over it;
-    * FSDP2's 2-D ``(replicate, shard)`` mesh with no dimension names given: HSDP;
+    * FSDP2's 2-D ``(replicate, shard)`` mesh, without ``dp_shard_dim``: HSDP;
     * an N-D mesh with ``dp_shard_dim`` (and ``dp_outer_dim`` for HSDP) naming
       its dimensions; a flattened dimension (``_flatten``) may be named.
     """
@@ -131,15 +131,15 @@ def sub_mesh(mesh: DeviceMesh, names: str | tuple[str, ...], argument: str) -> D
     """``mesh[names]``, where a name may be a dimension flattened with
     ``_flatten`` (torch warns that slicing those from the root will change; the
     engine keeps working either way, so the warning is not the user's concern)."""
-    known = set(mesh.mesh_dim_names or ())
+    named = list(mesh.mesh_dim_names or ())
     root = _root(mesh)
-    known |= set(getattr(root, "_flatten_mapping", {}) or {}) if root is not None else set()
+    flattened = sorted(set(getattr(root, "_flatten_mapping", None) or {}) - set(named))
     wanted = (names,) if isinstance(names, str) else names
-    missing = [n for n in wanted if n not in known]
+    missing = [n for n in wanted if n not in named and n not in flattened]
     if missing:
-        raise ValueError(f"{argument}: {missing[0]!r} is not a dimension of the device mesh; its dimensions are "
-                         f"{list(mesh.mesh_dim_names or ())}" + (f" (flattened: {sorted(known - set(mesh.mesh_dim_names or ()))})"
-                                                                if known - set(mesh.mesh_dim_names or ()) else ""))
+        also = f" (flattened: {flattened})" if flattened else ""
+        raise ValueError(f"{argument}: {missing[0]!r} is not a dimension of the device mesh; "
+                         f"its dimensions are {named}{also}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flattened dim.*")
         try:

@@ -476,20 +476,20 @@ class ParamGroup:
     def _finish_reduction(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, divisor: float,
                           outer_now: bool) -> None:
         self._inflight = None
-        if self.outer_shard is not None:
+        if self.outer_shard is None:
+            self._deliver(result, has_data, divisor, outer_now)
+        else:
             # HFSDP: sum inner-reduced chunks until the outer reduce-scatter is due.
             if self._inner_partial is None:
                 self._inner_partial = result
             else:
                 self._inner_partial.add_(result)
             self._pending_divisor = divisor
-            if accum is self._scratch_grad or not self.placement.keep_grad_buffer:
-                accum.free()
-            if not outer_now:
-                return
-            result, has_data = self._outer_reduce(), self._main_grad_has_data()
-            accum = None
-        self._deliver(result, has_data, divisor, outer_now, accum)
+            if outer_now:
+                self._deliver(self._outer_reduce(), self._main_grad_has_data(), divisor)
+        # After delivery: a replicated group's result is the accumulation buffer itself.
+        if accum is self._scratch_grad or not self.placement.keep_grad_buffer:
+            accum.free()
 
     def _outer_reduce(self) -> torch.Tensor:
         """HFSDP: reduce-scatter the summed chunks across the outer dimension;
@@ -499,8 +499,7 @@ class ParamGroup:
         self.outer_shard.reduce_scatter(partial, piece)
         return piece
 
-    def _deliver(self, result: torch.Tensor, has_data: bool, divisor: float, outer_now: bool = True,
-                 accum: FlatBuffer | None = None) -> None:
+    def _deliver(self, result: torch.Tensor, has_data: bool, divisor: float, outer_now: bool = True) -> None:
         """Reduced gradients into the main grads (summing into unconsumed ones),
         then hand the optimizer its ``.grad`` views."""
         if self._main_grad_buffer is not None:
@@ -528,8 +527,6 @@ class ParamGroup:
                 sp.grad = self._grad_dtensors[i]
             self._used[i] = False
         self._delivered += 1
-        if accum is not None and (accum is self._scratch_grad or not self.placement.keep_grad_buffer):
-            accum.free()
 
     # ---- accounting ---------------------------------------------------------------------
 
