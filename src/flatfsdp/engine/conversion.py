@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flatfsdp.engine.param_group import ParamGroup
+from flatfsdp.engine.views import same_start
 
 
 def adopt_converted(state, module: nn.Module) -> None:
@@ -32,7 +33,7 @@ def _adopt(group: ParamGroup, state, module: nn.Module) -> ParamGroup:
         converted.append(value)
     locals_ = [v.to_local() if isinstance(v, DTensor) else v for v in converted]
     unchanged = all(v is s for v, s in zip(converted, group.sharded_params))
-    if unchanged and all(t.data_ptr() == group.main_chunk(i).data_ptr() for i, t in enumerate(locals_)
+    if unchanged and all(same_start(t, group.main_chunk(i)) for i, t in enumerate(locals_)
                          if t.numel()):
         return group  # nothing converted (e.g. .to() to what it already was)
     dtype, device = locals_[0].dtype, locals_[0].device
@@ -46,7 +47,7 @@ def _adopt(group: ParamGroup, state, module: nn.Module) -> ParamGroup:
             if local.shape != chunk.shape:
                 raise RuntimeError(f"converting '{target.slots[index].fqn}' changed its shard shape "
                                    f"{tuple(chunk.shape)} -> {tuple(local.shape)}")
-            if local.data_ptr() != chunk.data_ptr():
+            if not same_start(local, chunk):
                 chunk.copy_(local)
     if target is group:
         # torch may have re-pointed the parameter objects themselves at the

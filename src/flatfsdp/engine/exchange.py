@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from flatfsdp.engine.views import same_start
+
 _TAG_SPACE = 1 << 20
 _tags: dict[int, itertools.count] = {}
 
@@ -54,7 +56,7 @@ def exchange_all_gather(output: torch.Tensor, shard: torch.Tensor,
     """Rank r's ``shard`` lands in chunk r of every rank's ``output``."""
     world, me, size = group.size(), group.rank(), shard.numel()
     mine = _chunk(output, me, size)
-    if mine.data_ptr() != shard.data_ptr():
+    if not same_start(mine, shard):
         mine.copy_(shard)
     peers = [peer for peer in range(world) if peer != me]
     return post_messages([(peer, mine) for peer in peers], [(peer, _chunk(output, peer, size)) for peer in peers],
@@ -81,7 +83,7 @@ def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,
 
     def finish() -> None:
         parts = [slots.get(rank, _chunk(flat, me, size)) for rank in range(world)]
-        if any(part.data_ptr() == output.data_ptr() for part in parts[1:]):
+        if any(same_start(part, output) for part in parts[1:]):
             # ``output`` is this rank's own chunk of ``flat`` (a kept gradient
             # buffer reduced in place) and a later term: sum aside, then store.
             total = parts[0].clone()
@@ -89,7 +91,7 @@ def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,
                 total.add_(part)
             output.copy_(total)
             return
-        if output.data_ptr() != parts[0].data_ptr():
+        if not same_start(output, parts[0]):
             output.copy_(parts[0])
         for part in parts[1:]:
             output.add_(part)

@@ -15,6 +15,8 @@ kept unsharded buffer) only changes which views are sent.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -37,11 +39,17 @@ class GatherPlan:
         self.every = list(range(len(params)))
         self.staged = [i for i in self.every if i not in layout.direct]
         self.direct = list(layout.direct)
-        # This rank's own (padded) slot of each direct parameter, and where every
-        # rank's slot lands.
+        # This rank's own (padded) slot of each direct parameter.
         self.own_slots = {i: self._own_slot(i) for i in self.direct}
-        self.landing = {i: [views.unsharded_slot(unsharded, params[i], r) for r in range(layout.world)]
-                        for i in self.direct}
+
+    @functools.cached_property
+    def landing(self) -> dict[int, list[torch.Tensor]]:
+        """Where every rank's slot of each direct parameter lands: only the gloo
+        exchange receives slot by slot, and building world x parameters views
+        up front would cost seconds per unit at a thousand ranks."""
+        params = self.layout.params
+        return {i: [views.unsharded_slot(self.unsharded, params[i], r) for r in range(self.layout.world)]
+                for i in self.direct}
 
     @property
     def nbytes(self) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+import torch
 from torch import nn
 
 from flatfsdp.engine.unit_state import unit_states
@@ -15,8 +18,24 @@ def persistent_buffer_bytes(model: nn.Module) -> int:
     return sum(group.persistent_bytes() for state in unit_states(model) for group in state.groups)
 
 
+def persistent_bytes_by_role(model: nn.Module) -> dict[str, int]:
+    """``persistent_buffer_bytes`` by role: "main weights", "model weights" (a
+    separate compute-dtype copy) and "gradients"."""
+    total: Counter = Counter({"main weights": 0, "model weights": 0, "gradients": 0})
+    for state in unit_states(model):
+        for group in state.groups:
+            total.update(group.persistent_bytes_by_role())
+    return dict(total)
+
+
 def allocated_buffer_bytes(model: nn.Module) -> int:
-    """Bytes the engine's buffers hold on this rank right now, transient ones
-    included. Between steps it equals ``persistent_buffer_bytes``: anything
-    more is a leak."""
+    """Bytes the engine's buffers hold right now, transient ones included.
+    Between steps it equals ``persistent_buffer_bytes``: anything more is a leak."""
     return sum(group.allocated_bytes() for state in unit_states(model) for group in state.groups)
+
+
+def resizable_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The engine's flat tensors whose storage is freed and re-allocated in
+    place (no op announces it): what a memory meter re-reads to see transient
+    buffers come and go."""
+    return [t for state in unit_states(model) for group in state.groups for t in group.flat_buffers()]

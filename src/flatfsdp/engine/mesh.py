@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from flatfsdp.engine.device import default_device_type
 
@@ -72,14 +73,20 @@ class DataParallelMesh:
         replica's transposed mesh is built together, from every rank's view."""
         if self.outer is None:
             return self
-        mine = self.spmd.mesh.transpose(0, 1).contiguous()
-        views: list = [None] * dist.get_world_size()
-        dist.all_gather_object(views, mine.tolist())
-        replicas = sorted({tuple(map(tuple, v)) for v in views}, key=lambda v: min(min(row) for row in v))
-        names = self.dim_names()
-        stacked = torch.tensor(replicas, dtype=torch.int64)
-        whole = DeviceMesh(self.device_type, stacked, mesh_dim_names=("_hfsdp_replica", names[1], names[0]))
-        transposed = whole[(names[1], names[0])]  # this rank's replica
+        # Rank tables are real data even while the caller runs on fake tensors
+        # (the estimator shards under torch's FakeTensorMode).
+        with unset_fake_temporarily():
+            mine = self.spmd.mesh.transpose(0, 1).tolist()
+            if self.spmd.mesh.numel() == dist.get_world_size():
+                replicas = [mine]  # the only replica: nothing to learn from the other ranks
+            else:
+                views: list = [None] * dist.get_world_size()
+                dist.all_gather_object(views, mine)
+                replicas = sorted({tuple(map(tuple, v)) for v in views}, key=lambda v: min(min(row) for row in v))
+            names = self.dim_names()
+            stacked = torch.tensor(replicas, dtype=torch.int64)
+            whole = DeviceMesh(self.device_type, stacked, mesh_dim_names=("_hfsdp_replica", names[1], names[0]))
+            transposed = whole[(names[1], names[0])]  # this rank's replica
         return DataParallelMesh(self.shard, self.outer, self.spmd, self.grad_world, outer_shards_optimizer=True,
                                 hybrid_spmd=transposed)
 

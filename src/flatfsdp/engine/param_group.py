@@ -510,7 +510,7 @@ class ParamGroup:
                     if grad.grad is None:
                         self._main_view(self.main_grad, index).zero_()
                 self.main_grad.add_(result, alpha=1.0 / divisor)
-            elif result.data_ptr() == self.main_grad.data_ptr():
+            elif views.same_start(result, self.main_grad):
                 if divisor != 1.0:  # divided, not multiplied by the inverse, as FSDP2 does
                     self.main_grad.div_(divisor)
             elif divisor != 1.0:
@@ -539,20 +539,38 @@ class ParamGroup:
         kept weights, main weights and main grads -- the rank's theoretical
         share. (ZeRO-2/3 main grads are released between steps once the
         optimizer has dropped them; they count here at their full size.)"""
-        tensors = [self.main]
-        if self.model_local is not None:
-            tensors.append(self.model_local)
+        return sum(self.persistent_bytes_by_role().values())
+
+    def persistent_bytes_by_role(self) -> dict[str, int]:
+        """``persistent_bytes`` split by what the bytes are for: "main weights"
+        (what the optimizer updates; when the model computes in the same dtype
+        the model views these very bytes), "model weights" (a separate copy in
+        the compute dtype), "gradients". A storage serving two roles counts
+        once, under the first."""
+        model = [self.model_local] if self.model_local is not None else []
         if self.placement.keep_model_weights:
-            tensors.append(self.unsharded.data)
+            model.append(self.unsharded.data)
+        grads: list[torch.Tensor] = []
         released = 0
         if self.trainable:
             if self._main_grad_buffer is not None and not self._main_grad_buffer.is_allocated:
                 released = self.main_grad.numel() * self.main_grad.element_size()
             else:
-                tensors.append(self.main_grad)
+                grads.append(self.main_grad)
             if self.placement.keep_grad_buffer:
-                tensors.append(self.grads.data)
-        return _distinct_storage_bytes(tensors) + released
+                grads.append(self.grads.data)
+        seen: dict[int, torch.UntypedStorage] = {}
+        main_bytes = _distinct_storage_bytes([self.main], seen)
+        model_bytes = _distinct_storage_bytes(model, seen)
+        return {"main weights": main_bytes, "model weights": model_bytes,
+                "gradients": _distinct_storage_bytes(grads, seen) + released}
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The flat tensors whose storage this group frees and re-allocates in
+        place (gathered weights, unsharded gradients, scratch, released main
+        grads): a memory meter must re-read their size, no op announces it."""
+        buffers = [self.unsharded, self.grads, self._main_grad_buffer, self._scratch_grad]
+        return [b.data for b in buffers if b is not None]
 
     def allocated_bytes(self) -> int:
         """Bytes this group's buffers hold right now, transient ones included."""
@@ -578,14 +596,16 @@ def _local_grad(grad: torch.Tensor, tp: TensorParallelSpec | None) -> torch.Tens
     return grad.to_local()
 
 
-def _distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (aliases count once)."""
-    seen, total = set(), 0
+def _distinct_storage_bytes(tensors: list[torch.Tensor], seen: dict | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (aliases count once;
+    so do storages already in ``seen``, which this adds to). Storages are told
+    apart by identity, not address: fake tensors (the estimator's) have none."""
+    seen = {} if seen is None else seen
+    total = 0
     for t in tensors:
         storage = t.untyped_storage()
-        key = storage.data_ptr(), storage.nbytes()
-        if storage.nbytes() and key not in seen:
-            seen.add(key)
+        if storage.nbytes() and id(storage) not in seen:
+            seen[id(storage)] = storage  # kept alive, so its id is not reused meanwhile
             total += storage.nbytes()
     return total
 

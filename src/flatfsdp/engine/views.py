@@ -12,6 +12,14 @@ import torch
 from flatfsdp.engine.layout import GroupLayout, ParamLayout
 
 
+def same_start(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` begin at the same byte of the same storage.
+    Told by storage identity and offset rather than ``data_ptr``, so it also
+    holds for fake tensors (the estimator's), whose addresses are all 0."""
+    return (a.untyped_storage() is b.untyped_storage()
+            and a.storage_offset() * a.element_size() == b.storage_offset() * b.element_size())
+
+
 def local_slot(local: torch.Tensor, p: ParamLayout) -> torch.Tensor:
     """The padded chunk slot of ``p`` in a local buffer (1-D, ``p.slot`` elements)."""
     return local[p.local_offset:p.local_offset + p.slot]
