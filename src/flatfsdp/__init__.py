@@ -3,7 +3,7 @@
 from flatfsdp.engine import (CommAccount, FSDPModule, MixedPrecisionPolicy, ShardingStrategy, UnshardHandle,
                              allocated_buffer_bytes, comm_account, fully_shard, fully_shard_model,
                              fully_shard_optimizer, mark_initialized, persistent_buffer_bytes,
-                             persistent_bytes_by_role, resizable_buffers,
+                             persistent_bytes_by_role, resizable_buffers, held_tensors,
                              register_fsdp_forward_method, reset_parameters)
 from flatfsdp.engine import (NonFiniteError, NonFiniteReport, ReplicaMismatch, check_finite, local_nonfinite,
                              nonfinite_report, verify_replicas)
@@ -13,7 +13,7 @@ from flatfsdp.pretrained import load_pretrained  # noqa: E402 (an application on
 __all__ = [
     "CommAccount", "FSDPModule", "MixedPrecisionPolicy", "ShardingStrategy", "UnshardHandle", "comm_account",
     "fully_shard", "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes",
-    "persistent_bytes_by_role", "resizable_buffers",
+    "persistent_bytes_by_role", "resizable_buffers", "held_tensors",
     "register_fsdp_forward_method", "reset_parameters",
     "NonFiniteError", "NonFiniteReport", "ReplicaMismatch", "check_finite", "local_nonfinite", "nonfinite_report",
     "verify_replicas", "CollectiveTimeout", "TIMEOUT_ENV",

@@ -11,8 +11,8 @@ from flatfsdp.engine.finite_check import (NonFiniteError, NonFiniteReport, check
                                           nonfinite_report)
 from flatfsdp.engine.fingerprint import ReplicaMismatch, verify_replicas
 from flatfsdp.engine.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from flatfsdp.engine.memory import (allocated_buffer_bytes, persistent_buffer_bytes, persistent_bytes_by_role,
-                                   resizable_buffers)
+from flatfsdp.engine.memory import (allocated_buffer_bytes, held_tensors, persistent_buffer_bytes,
+                                   persistent_bytes_by_role, resizable_buffers)
 from flatfsdp.engine.meta_init import mark_initialized, reset_parameters
 from flatfsdp.engine.optimizer import fully_shard_optimizer
 from flatfsdp.engine.precision import MixedPrecisionPolicy
@@ -22,7 +22,7 @@ from flatfsdp.engine.watchdog import TIMEOUT_ENV, CollectiveTimeout
 __all__ = [
     "CommAccount", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
     "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes", "reset_parameters",
-    "persistent_bytes_by_role", "resizable_buffers",
+    "persistent_bytes_by_role", "resizable_buffers", "held_tensors",
     # reliability (docs/reliability.md)
     "NonFiniteError", "NonFiniteReport", "ReplicaMismatch", "check_finite", "local_nonfinite", "nonfinite_report",
     "verify_replicas", "CollectiveTimeout", "TIMEOUT_ENV",

@@ -39,3 +39,10 @@ def resizable_buffers(model: nn.Module) -> list[torch.Tensor]:
     place (no op announces it): what a memory meter re-reads to see transient
     buffers come and go."""
     return [t for state in unit_states(model) for group in state.groups for t in group.flat_buffers()]
+
+
+def held_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the engine holds for ``model`` between steps, including
+    those no parameter views (a separate compute-dtype copy of the chunks, for
+    one): what a memory meter must count as alive when a step begins."""
+    return [t for state in unit_states(model) for group in state.groups for t in group.held_tensors()]

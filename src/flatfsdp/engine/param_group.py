@@ -565,6 +565,11 @@ class ParamGroup:
         return {"main weights": main_bytes, "model weights": model_bytes,
                 "gradients": _distinct_storage_bytes(grads, seen) + released}
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this group holds between steps (some may alias)."""
+        held = [self.main] + ([self.model_local] if self.model_local is not None else [])
+        return held + ([self.main_grad] if self.trainable else []) + self.flat_buffers()
+
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat tensors whose storage this group frees and re-allocates in
         place (gathered weights, unsharded gradients, scratch, released main

@@ -29,9 +29,13 @@ def hf_model_on_meta(path, *, device: torch.device | str = "cpu", dtype: torch.d
     """``AutoModelForCausalLM`` for ``path``'s config.json, parameters on the meta
     device in ``dtype`` (the main-weight dtype; fp32 by default whatever the
     checkpoint holds), non-persistent buffers computed on ``device``."""
+    return hf_model_from_config(_config(os.fspath(path)), device=device, dtype=dtype)
+
+
+def hf_model_from_config(config, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``hf_model_on_meta`` for a transformers config object."""
     from transformers import AutoModelForCausalLM
 
-    config = _config(os.fspath(path))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():

@@ -1,0 +1,43 @@
+"""``estimate``: per-rank memory and traffic of a model at many world sizes,
+from the engine itself run as one rank of a fake world."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from flatfsdp.estimator.fake_world import fake_world
+from flatfsdp.estimator.live_bytes import DispatchMeter
+from flatfsdp.estimator.models import ModelSpec, resolve_model
+from flatfsdp.estimator.rank_step import Layout, RankFigures, make_mesh, measure
+
+
+def estimate_layout(spec: ModelSpec, layout: Layout) -> RankFigures:
+    """One rank's figures for ``layout``: the model is built on the meta device,
+    sharded and stepped twice on fake tensors; the second step is metered."""
+    layout.check()
+    with fake_world(layout.world) as fake_mode:
+        _, mesh_kwargs = make_mesh(layout)  # real: a DeviceMesh reads its rank table
+        with fake_mode:
+            return measure(spec, layout, mesh_kwargs, DispatchMeter())
+
+
+def estimate(model: str | ModelSpec, world_sizes: Iterable[int], *, strategy: str = "optim_grads_params",
+             shard_size: int | None = None, outer_sharding: bool = False, bf16: bool = False,
+             micro_batch: int = 1, seq_len: int = 1024, units: list[str] | None = None,
+             recompute: str = "none") -> list[tuple[Layout, RankFigures]]:
+    """Figures for each world size. ``shard_size``: HSDP, each replica sharded
+    over that many ranks (world / shard_size replicas); ``outer_sharding``:
+    HFSDP. ``model``: a name `resolve_model` understands, or a spec."""
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model, units=units, recompute=recompute)
+    rows = []
+    for world in world_sizes:
+        replicas = 1
+        if shard_size is not None:
+            if world % shard_size:
+                raise ValueError(f"world {world} is not a multiple of the HSDP shard size {shard_size}")
+            replicas = world // shard_size
+        layout = Layout(world=world, strategy=strategy, replicas=replicas,
+                        outer_sharding=outer_sharding and replicas > 1, bf16=bf16,
+                        micro_batch=micro_batch, seq_len=seq_len)
+        rows.append((layout, estimate_layout(spec, layout)))
+    return rows

@@ -1,0 +1,155 @@
+"""One rank's training step, as `flatfsdp train` runs it, with what it holds
+and sends written down. The estimator runs it on fake tensors under a fake
+process group; the check against reality runs the very same function on real
+ranks -- only the meter differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import flatfsdp
+from flatfsdp.estimator.live_bytes import distinct_storages
+from flatfsdp.estimator.models import ModelSpec
+from flatfsdp.train.step import apply_step, forward_backward
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+ZERO_NAMES = {"no_shard": "ZeRO-0", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is sharded and what one step feeds it."""
+    world: int
+    strategy: str = "optim_grads_params"
+    replicas: int = 1
+    """HSDP: model replicas (the outer mesh dimension); each shards over world / replicas ranks."""
+    outer_sharding: bool = False
+    """HFSDP: the optimizer state is sharded across the replicas too."""
+    bf16: bool = False
+    """Compute in bf16 from fp32 main weights (gradients reduced in fp32)."""
+    micro_batch: int = 1
+    seq_len: int = 1024
+
+    def describe(self) -> str:
+        zero = ZERO_NAMES[self.strategy]
+        if self.replicas > 1:
+            kind = "HFSDP" if self.outer_sharding else "HSDP"
+            return f"{kind} {self.replicas}x{self.world // self.replicas} {zero}"
+        return zero
+
+    def check(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r}: one of {', '.join(STRATEGIES)}")
+        if self.world < 1 or self.replicas < 1 or self.world % self.replicas:
+            raise ValueError(f"world {self.world} does not split into {self.replicas} replicas")
+        if self.outer_sharding and (self.replicas < 2 or self.strategy != "optim_grads_params"):
+            raise ValueError("HFSDP (outer sharding) needs replicas > 1 and optim_grads_params")
+
+
+@dataclass
+class RankFigures:
+    """One rank's bytes: what it keeps, the high-water of a step, what it sends."""
+    persistent: dict[str, int] = field(default_factory=dict)
+    """By role: main weights, model weights, gradients, optimizer state."""
+    start: int = 0
+    """Everything alive when a step begins (persistent + the batch + buffers)."""
+    peak: int = 0
+    """The high-water mark of the step."""
+    engine_transient_peak: int = 0
+    """The engine's transient buffers at their high-water."""
+    activations_peak: int = 0
+    """Tensors born in the step at their high-water: activations, autograd's
+    gradients and temporaries, the optimizer's temporaries."""
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Bytes per step: {mesh dimension: {collective: bytes}}."""
+    params: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class Meter(Protocol):
+    """Watches a run (``with meter:``) and meters one step of it (``with
+    meter.step(known, resizable):``, ``known`` the tensors alive before it,
+    ``resizable`` the engine's flat buffers). Afterwards it has ``start``,
+    ``peak_total``, ``engine_transient_peak`` and ``other_new_peak`` in bytes."""
+
+    def __enter__(self) -> "Meter": ...
+    def __exit__(self, *exc) -> None: ...
+    def step(self, known: list, resizable: list) -> contextlib.AbstractContextManager: ...
+
+
+def make_mesh(layout: Layout) -> tuple[DeviceMesh, dict]:
+    """The mesh and the fully_shard keywords naming its dimensions."""
+    if layout.replicas > 1:
+        mesh = init_device_mesh("cpu", (layout.replicas, layout.world // layout.replicas),
+                                mesh_dim_names=("dp_outer", "dp_shard"))
+        kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+        if layout.outer_sharding:
+            kwargs["outer_dp_sharding_strategy"] = "optim"
+        return mesh, kwargs
+    mesh = init_device_mesh("cpu", (layout.world,), mesh_dim_names=("dp_shard",))
+    return mesh, dict(device_mesh=mesh, dp_shard_dim="dp_shard")
+
+
+def shard(spec: ModelSpec, layout: Layout, mesh_kwargs: dict) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model built on the meta device and sharded as `flatfsdp train` would,
+    with its AdamW (weight decay on matrices only)."""
+    model = spec.build()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-4)
+    policy = flatfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if layout.bf16 else None,
+                                           reduce_dtype=torch.float32)
+    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=spec.units,
+                                            zero_dp_strategy=layout.strategy, mixed_precision_policy=policy,
+                                            init_model_with_meta_device=True, meta_init_seed=0,
+                                            sync_model_each_microbatch=False, **mesh_kwargs)
+    if spec.from_checkpoint:
+        flatfsdp.mark_initialized(model)
+    return model, optimizer
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: ModelSpec, batch: torch.Tensor) -> None:
+    forward_backward(model, [batch], spec.logits, per_token=False)
+    apply_step(model, optimizer, global_tokens=1.0, per_token=False, clip_grad=1.0)
+
+
+def measure(spec: ModelSpec, layout: Layout, mesh_kwargs: dict, meter: Meter, metered_steps: int = 1) -> RankFigures:
+    """Shard, run a first step (lazy set-up, optimizer state), then meter the
+    next ``metered_steps``: the steady state every later step repeats."""
+    model, optimizer = shard(spec, layout, mesh_kwargs)
+    batch = torch.randint(0, spec.vocab_size, (layout.micro_batch, layout.seq_len + 1))
+    with meter:
+        step(model, optimizer, spec, batch)
+        state = _optimizer_state(optimizer)
+        known = list(model.parameters()) + list(model.buffers()) + state + [batch] + flatfsdp.held_tensors(model)
+        for _ in range(metered_steps):
+            flatfsdp.comm_account().reset()
+            with meter.step(known, flatfsdp.resizable_buffers(model)):
+                step(model, optimizer, spec, batch)
+    persistent = flatfsdp.persistent_bytes_by_role(model)
+    persistent["optimizer state"] = _distinct_bytes(state)
+    comm = {dim: {kind: entry["bytes"] for kind, entry in kinds.items()}
+            for dim, kinds in flatfsdp.comm_account().by_dim().items()}
+    return RankFigures(persistent=persistent, start=meter.start, peak=meter.peak_total,
+                       engine_transient_peak=meter.engine_transient_peak,
+                       activations_peak=meter.other_new_peak, comm=comm,
+                       params=sum(p.numel() for p in model.parameters()))
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(s.nbytes() for s in distinct_storages(tensors))
