@@ -26,7 +26,8 @@ STEP = dict(seq_len=128, micro_batch=4)
 LAYOUTS = ([Layout(world=w, strategy=s, **STEP) for w in (1, 2, 4) for s in STRATEGIES]
            + [Layout(world=4, replicas=2, **STEP), Layout(world=4, replicas=2, outer_sharding=True, **STEP),
               Layout(world=2, strategy="optim", bf16=True, **STEP),
-              Layout(world=2, strategy="optim_grads_params", bf16=True, **STEP)])
+              Layout(world=2, strategy="optim_grads_params", bf16=True, **STEP),
+              Layout(world=4, tp=2, **STEP), Layout(world=2, tp=2, strategy="optim", **STEP)])
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,10 @@ def test_the_check_covers_sharded_layouts(checked):
     assert persistent[(4, "HFSDP 2x2 ZeRO-3", False)] < persistent[(4, "HSDP 2x2 ZeRO-3", False)]
     hsdp = next(c for c in checked if c.layout.describe() == "HSDP 2x2 ZeRO-3")
     assert set(hsdp.predicted.comm) == {"dp_shard", "dp_outer"}
+    tp = next(c for c in checked if c.layout.describe() == "ZeRO-3 TP2" and c.layout.world == 4)
+    # Tensor parallelism splits the MLPs further: between DP over 2 and DP over 4.
+    assert persistent[(4, "ZeRO-3", False)] < persistent[(4, "ZeRO-3 TP2", False)] < persistent[(2, "ZeRO-3", False)]
+    assert set(tp.predicted.comm) == {"dp_shard"}  # the engine reduces over data parallelism only
 
 
 # ---- the meter -----------------------------------------------------------------------------------

@@ -153,3 +153,45 @@ def test_unseeded_meta_init_follows_the_first_rank_seed():
     reference = flatfsdp.reset_parameters(GPT(CFG), seed0 & 0x7FFF_FFFF_FFFF_FFFF)
     for key, value in reference.state_dict().items():
         assert torch.equal(values[key], value), key
+
+
+def _meta_tensor_parallel_worker(rank, world):
+    """Tensor-parallel DTensors built on the meta device: sharded with their
+    local shards made real, never initialised by flatfsdp (it names them), and
+    filled by the user then declared filled, they compute the right output."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+
+    def build():
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return flatfsdp.fully_shard(model, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
+                                    init_model_with_meta_device=True)
+
+    model = build()
+    try:
+        model(torch.ones(2, 8))
+        refused = None
+    except NotImplementedError as err:
+        refused = str(err)
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    model = build()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = reference.get_parameter(name).detach()
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
+    flatfsdp.mark_initialized(model)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    return refused, torch.allclose(model(x), reference(x), atol=1e-6)
+
+
+def test_meta_tensor_parallel_parameters_are_filled_not_initialised():
+    (refused, matches), _ = run_ranks(_meta_tensor_parallel_worker, 2)
+    assert refused and "parameter '0.weight' is tensor-parallel" in refused and "mark_initialized" in refused
+    assert matches

@@ -22,6 +22,7 @@ import hashlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from flatfsdp.engine import views
 
@@ -74,13 +75,37 @@ def materialize_meta(units: list[nn.Module], slots: list, device: torch.device,
                     module._buffers[key] = torch.empty_like(buf, device=device)
     for i, slot in enumerate(slots):
         if slot.param.is_meta:
-            real = nn.Parameter(torch.empty(slot.param.shape, dtype=slot.param.dtype, device=device),
-                                requires_grad=slot.param.requires_grad)
+            real = nn.Parameter(_real_like(slot.param, device), requires_grad=slot.param.requires_grad)
             for module, attr in slot.locations:
                 module._parameters[attr] = real
             replaced[real] = slot.param
             slots[i] = dataclasses.replace(slot, param=real)
     return pending
+
+
+def _real_like(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Uninitialised storage for a meta parameter; a tensor-parallel (DTensor)
+    one keeps its mesh and placements, with its local shard made real."""
+    if isinstance(param, DTensor):
+        local = torch.empty(param.to_local().shape, dtype=param.dtype, device=device)
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return torch.empty(param.shape, dtype=param.dtype, device=device)
+
+
+def _require_plain(state) -> None:
+    """flatfsdp initialises a meta parameter by running its module's
+    reset_parameters() on a full copy; a tensor-parallel one has no full copy
+    on any rank, so it must be filled by the user instead."""
+    was_meta = {id(real) for real in state.meta_originals}
+    for group in state.groups:
+        for slot in group.slots:
+            if slot.tp is not None and id(slot.param) in was_meta:
+                raise NotImplementedError(
+                    f"parameter '{slot.fqn}' is tensor-parallel and was built on the meta device; flatfsdp does "
+                    "not run reset_parameters() on tensor-parallel shards: fill the weights "
+                    "(flatfsdp.load_pretrained, or copy_ into each DTensor) and call flatfsdp.mark_initialized, "
+                    "or build the tensor-parallel model on a real device")
 
 
 def initialize_pending(state) -> None:
@@ -91,6 +116,7 @@ def initialize_pending(state) -> None:
         return
     for index, path, module in pending:  # before any change: a failed check leaves the unit as it was
         _require_reset(module, _model_name(state.paths[index], path))
+    _require_plain(state)
     state.pending_init = []
     temps, saved = [], []
     for group in state.groups:

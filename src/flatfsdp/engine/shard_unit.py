@@ -238,10 +238,6 @@ def _with_tensor_parallel(slot: ParamSlot, unit: str) -> ParamSlot:
     param = slot.param
     if not isinstance(param, DTensor):
         return slot
-    if param.is_meta:
-        raise NotImplementedError(f"unit '{unit}': parameter '{slot.fqn}' is a meta-device DTensor; "
-                                  "init_model_with_meta_device with tensor-parallel parameters is not supported "
-                                  "yet: materialise the tensor-parallel model before fully_shard")
     spec = TensorParallelSpec(param.device_mesh, tuple(param.placements), param.shape)
     return dataclasses.replace(slot, tp=spec)
 

@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                                                        "(world / this many replicas)")
     parser.add_argument("--hfsdp", action="store_true", help="with --hsdp-shard: shard the optimizer state "
                                                              "across replicas too (HFSDP)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each data-parallel rank "
+                                                          "(the package's GPT: its MLPs; Llama-family models: "
+                                                          "attention and MLP projections)")
     parser.add_argument("--bf16", action="store_true", help="compute in bf16 from fp32 main weights")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
@@ -76,7 +79,7 @@ def _world_sizes(text: str) -> list[int]:
 def run(args) -> int:
     if args.hfsdp and args.hsdp_shard is None:
         raise ValueError("--hfsdp needs --hsdp-shard (the ranks each replica shards over)")
-    for name in ("micro_batch", "seq_len"):
+    for name in ("micro_batch", "seq_len", "tp"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     spec = resolve_model(args.model, units=args.units, recompute=args.recompute)
@@ -84,7 +87,7 @@ def run(args) -> int:
     rows = []
     for strategy in strategies:
         rows += estimate(spec, worlds, strategy=strategy, shard_size=args.hsdp_shard, outer_sharding=args.hfsdp,
-                         bf16=args.bf16, micro_batch=args.micro_batch, seq_len=args.seq_len)
+                         tp=args.tp, bf16=args.bf16, micro_batch=args.micro_batch, seq_len=args.seq_len)
     deepspeed = _deepspeed(spec, rows) if args.deepspeed else None
     if args.json:
         print(json.dumps(report.as_json(args.model, rows, deepspeed), indent=2))
@@ -109,7 +112,8 @@ def _title(args, params: int) -> str:
 def _deepspeed(spec, rows: list) -> list[int | None]:
     params, largest = model_counts(spec.build())
     stage = {name: i for i, name in enumerate(STRATEGIES)}
-    return [deepspeed_model_states(stage[layout.strategy], params, largest, layout.world // layout.replicas)
+    # Tensor parallelism is not one of DeepSpeed's estimator's cases.
+    return [None if layout.tp > 1 else deepspeed_model_states(stage[layout.strategy], params, largest, layout.shard)
             for layout, _ in rows]
 
 

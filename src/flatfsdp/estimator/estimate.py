@@ -22,21 +22,27 @@ def estimate_layout(spec: ModelSpec, layout: Layout) -> RankFigures:
 
 
 def estimate(model: str | ModelSpec, world_sizes: Iterable[int], *, strategy: str = "optim_grads_params",
-             shard_size: int | None = None, outer_sharding: bool = False, bf16: bool = False,
+             shard_size: int | None = None, outer_sharding: bool = False, tp: int = 1, bf16: bool = False,
              micro_batch: int = 1, seq_len: int = 1024, units: list[str] | None = None,
              recompute: str = "none") -> list[tuple[Layout, RankFigures]]:
-    """Figures for each world size. ``shard_size``: HSDP, each replica sharded
-    over that many ranks (world / shard_size replicas); ``outer_sharding``:
-    HFSDP. ``model``: a name `resolve_model` understands, or a spec."""
+    """Figures for each world size. ``shard_size``: HSDP, each replica's
+    parameters sharded over that many data-parallel ranks; ``outer_sharding``:
+    HFSDP; ``tp``: tensor-parallel ranks inside each data-parallel rank.
+    ``model``: a name `resolve_model` understands, or a spec."""
     spec = model if isinstance(model, ModelSpec) else resolve_model(model, units=units, recompute=recompute)
+    if tp > 1 and spec.parallelize is None:
+        raise ValueError(f"{spec.name}: no tensor-parallel plan for this model")
     rows = []
     for world in world_sizes:
+        if world % tp:
+            raise ValueError(f"world {world} is not a multiple of the tensor-parallel size {tp}")
         replicas = 1
         if shard_size is not None:
-            if world % shard_size:
-                raise ValueError(f"world {world} is not a multiple of the HSDP shard size {shard_size}")
-            replicas = world // shard_size
-        layout = Layout(world=world, strategy=strategy, replicas=replicas,
+            if (world // tp) % shard_size:
+                raise ValueError(f"world {world} is not a multiple of the HSDP shard size {shard_size}"
+                                 + (f" x tensor-parallel size {tp}" if tp > 1 else ""))
+            replicas = world // tp // shard_size
+        layout = Layout(world=world, strategy=strategy, replicas=replicas, tp=tp,
                         outer_sharding=outer_sharding and replicas > 1, bf16=bf16,
                         micro_batch=micro_batch, seq_len=seq_len)
         rows.append((layout, estimate_layout(spec, layout)))

@@ -54,6 +54,8 @@ class ModelSpec:
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     """tokens [batch, seq] -> logits [batch, seq, vocab]."""
     vocab_size: int
+    parallelize: Callable[[nn.Module, object], None] | None = None
+    """Apply its tensor-parallel plan over a 1-D tp mesh (None: it has none)."""
     from_checkpoint: bool = False
     """Its modules have no ``reset_parameters`` (a transformers model): training
     fills the weights from a checkpoint, so the estimator declares them filled
@@ -78,7 +80,8 @@ def resolve_model(name: str, *, units: list[str] | None = None, recompute: str =
         def build() -> nn.Module:
             with torch.device("meta"):
                 return GPT(config)
-        return ModelSpec(name, build, units or [TransformerBlock], _gpt_logits, config.vocab_size)
+        return ModelSpec(name, build, units or [TransformerBlock], _gpt_logits, config.vocab_size,
+                         parallelize=_gpt_tensor_parallel)
     if name in LLAMA_SIZES:
         return _hf_spec(name, _hf_config(dict(LLAMA_SIZES[name])), units, recompute)
     if ":" in name and not os.path.exists(name):
@@ -99,6 +102,49 @@ def resolve_model(name: str, *, units: list[str] | None = None, recompute: str =
         return _hf_spec(name, config, units, recompute)
     raise ValueError(f"--model {name}: not a built-in model ({', '.join(BUILT_IN)}), a config.json, a directory "
                      "holding one, a hub name or a package.module:function")
+
+
+def _gpt_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Megatron's MLP split: the up projection by columns, the down one by rows.
+    (The fused q/k/v projection stays whole: splitting its columns would mix
+    the three.)"""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.blocks:
+        parallelize_module(block.mlp, tp_mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+
+
+_HF_COLUMNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_HF_ROWS = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _hf_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """The Llama-family plan: q, k, v, gate and up projections by columns (whole
+    heads per rank), o and down projections by rows; embeddings, norms and the
+    output layer stay whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    config = model.config
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None) or config.num_attention_heads
+        if heads % tp:
+            raise ValueError(f"tensor parallelism over {tp} ranks needs {name} ({heads}) divisible by {tp}")
+    layers = [m for m in model.modules() if all(_has(m, path) for path in _HF_COLUMNS + _HF_ROWS)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no layer with the Llama-family projections "
+                         f"({', '.join(_HF_COLUMNS + _HF_ROWS)}); no tensor-parallel plan for it")
+    plan = {**{path: ColwiseParallel() for path in _HF_COLUMNS}, **{path: RowwiseParallel() for path in _HF_ROWS}}
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def _hf_config(values: dict, source: str = "built-in shape"):
@@ -125,7 +171,8 @@ def _hf_spec(name: str, config, units: list[str] | None, recompute: str) -> Mode
 
     if units is None:
         units = hf_unit_classes(_class_probe(config))
-    return ModelSpec(name, build, units, _hf_logits, config.vocab_size, from_checkpoint=True)
+    return ModelSpec(name, build, units, _hf_logits, config.vocab_size, parallelize=_hf_tensor_parallel,
+                     from_checkpoint=True)
 
 
 def _class_probe(config) -> nn.Module:

@@ -32,23 +32,32 @@ class Layout:
     """HSDP: model replicas (the outer mesh dimension); each shards over world / replicas ranks."""
     outer_sharding: bool = False
     """HFSDP: the optimizer state is sharded across the replicas too."""
+    tp: int = 1
+    """Tensor-parallel ranks (the innermost mesh dimension); data parallelism
+    spans world / tp ranks."""
     bf16: bool = False
     """Compute in bf16 from fp32 main weights (gradients reduced in fp32)."""
     micro_batch: int = 1
     seq_len: int = 1024
 
+    @property
+    def shard(self) -> int:
+        """Ranks each replica's data-parallel shards span."""
+        return self.world // (self.replicas * self.tp)
+
     def describe(self) -> str:
-        zero = ZERO_NAMES[self.strategy]
+        text = ZERO_NAMES[self.strategy]
         if self.replicas > 1:
             kind = "HFSDP" if self.outer_sharding else "HSDP"
-            return f"{kind} {self.replicas}x{self.world // self.replicas} {zero}"
-        return zero
+            text = f"{kind} {self.replicas}x{self.shard} {text}"
+        return text + (f" TP{self.tp}" if self.tp > 1 else "")
 
     def check(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy {self.strategy!r}: one of {', '.join(STRATEGIES)}")
-        if self.world < 1 or self.replicas < 1 or self.world % self.replicas:
-            raise ValueError(f"world {self.world} does not split into {self.replicas} replicas")
+        if min(self.world, self.replicas, self.tp) < 1 or self.world % (self.replicas * self.tp):
+            raise ValueError(f"world {self.world} does not split into {self.replicas} replica(s) x "
+                             f"{self.tp} tensor-parallel rank(s)")
         if self.outer_sharding and (self.replicas < 2 or self.strategy != "optim_grads_params"):
             raise ValueError("HFSDP (outer sharding) needs replicas > 1 and optim_grads_params")
 
@@ -87,22 +96,28 @@ class Meter(Protocol):
 
 
 def make_mesh(layout: Layout) -> tuple[DeviceMesh, dict]:
-    """The mesh and the fully_shard keywords naming its dimensions."""
+    """The mesh and the fully_shard keywords naming its dimensions:
+    ``(dp_outer, dp_shard, tp)``, each only where it has more than one rank
+    (dp_shard always)."""
+    dims = [("dp_outer", layout.replicas)] * (layout.replicas > 1) + [("dp_shard", layout.shard)]
+    dims += [("tp", layout.tp)] * (layout.tp > 1)
+    mesh = init_device_mesh("cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
+    kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard")
     if layout.replicas > 1:
-        mesh = init_device_mesh("cpu", (layout.replicas, layout.world // layout.replicas),
-                                mesh_dim_names=("dp_outer", "dp_shard"))
-        kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+        kwargs["dp_outer_dim"] = "dp_outer"
         if layout.outer_sharding:
             kwargs["outer_dp_sharding_strategy"] = "optim"
-        return mesh, kwargs
-    mesh = init_device_mesh("cpu", (layout.world,), mesh_dim_names=("dp_shard",))
-    return mesh, dict(device_mesh=mesh, dp_shard_dim="dp_shard")
+    if layout.tp > 1:
+        kwargs["tp_dim"] = "tp"
+    return mesh, kwargs
 
 
 def shard(spec: ModelSpec, layout: Layout, mesh_kwargs: dict) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model built on the meta device and sharded as `flatfsdp train` would,
     with its AdamW (weight decay on matrices only)."""
     model = spec.build()
+    if layout.tp > 1:
+        spec.parallelize(model, mesh_kwargs["device_mesh"]["tp"])
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -113,7 +128,7 @@ def shard(spec: ModelSpec, layout: Layout, mesh_kwargs: dict) -> tuple[nn.Module
                                             zero_dp_strategy=layout.strategy, mixed_precision_policy=policy,
                                             init_model_with_meta_device=True, meta_init_seed=0,
                                             sync_model_each_microbatch=False, **mesh_kwargs)
-    if spec.from_checkpoint:
+    if spec.from_checkpoint or layout.tp > 1:  # tensor-parallel shards are filled, not initialised, on meta
         flatfsdp.mark_initialized(model)
     return model, optimizer
 

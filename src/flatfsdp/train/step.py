@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 from torch.profiler import record_function
 
 from flatfsdp.models.gpt import lm_loss
@@ -47,9 +48,33 @@ def apply_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, global_tok
     if per_token:
         _divide_grads(model, global_tokens)
     if clip_grad > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        clip_grad_norm(model.parameters(), clip_grad)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` also where the gradients are DTensors
+    on different meshes (tensor-parallel parameters on (dp, tp), the rest on
+    dp), which torch's one stacks and refuses: one norm per mesh, made whole,
+    then combined, and each mesh's gradients scaled by the common factor."""
+    by_mesh: dict = {}
+    for param in params:
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(param)
+    if len(by_mesh) <= 1:
+        return torch.nn.utils.clip_grad_norm_([p for group in by_mesh.values() for p in group], max_norm)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for mesh, group in by_mesh.items():
+        shared = total if mesh is None else DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, shared)
+    return total
 
 
 @torch.no_grad()
