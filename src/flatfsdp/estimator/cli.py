@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                                                           "(the package's GPT: its MLPs; Llama-family models: "
                                                           "attention and MLP projections)")
     parser.add_argument("--bf16", action="store_true", help="compute in bf16 from fp32 main weights")
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true",
+                        help="reduce gradients in bf16 (the whole-gradient buffers of ZeRO-0/1 halve)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     parser.add_argument("--recompute", choices=["none", "reentrant", "non_reentrant"], default="none",
@@ -87,7 +89,8 @@ def run(args) -> int:
     rows = []
     for strategy in strategies:
         rows += estimate(spec, worlds, strategy=strategy, shard_size=args.hsdp_shard, outer_sharding=args.hfsdp,
-                         tp=args.tp, bf16=args.bf16, micro_batch=args.micro_batch, seq_len=args.seq_len)
+                         tp=args.tp, bf16=args.bf16, reduce_bf16=args.grad_reduce_in_bf16,
+                         micro_batch=args.micro_batch, seq_len=args.seq_len)
     deepspeed = _deepspeed(spec, rows) if args.deepspeed else None
     if args.json:
         print(json.dumps(report.as_json(args.model, rows, deepspeed), indent=2))
@@ -104,7 +107,9 @@ def run(args) -> int:
 
 
 def _title(args, params: int) -> str:
-    precision = "bf16 compute, fp32 main weights and grads" if args.bf16 else "fp32"
+    grads = "bf16" if args.grad_reduce_in_bf16 else "fp32"
+    precision = (f"bf16 compute, fp32 main weights, {grads} gradient reduction" if args.bf16
+                 else f"fp32, {grads} gradient reduction")
     return (f"{args.model}: {params / 1e9:.3g} B parameters, {precision}, AdamW, micro-batch {args.micro_batch} x "
             f"{args.seq_len} tokens, recompute {args.recompute}")
 

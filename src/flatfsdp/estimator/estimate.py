@@ -23,7 +23,7 @@ def estimate_layout(spec: ModelSpec, layout: Layout) -> RankFigures:
 
 def estimate(model: str | ModelSpec, world_sizes: Iterable[int], *, strategy: str = "optim_grads_params",
              shard_size: int | None = None, outer_sharding: bool = False, tp: int = 1, bf16: bool = False,
-             micro_batch: int = 1, seq_len: int = 1024, units: list[str] | None = None,
+             reduce_bf16: bool = False, micro_batch: int = 1, seq_len: int = 1024, units: list[str] | None = None,
              recompute: str = "none") -> list[tuple[Layout, RankFigures]]:
     """Figures for each world size. ``shard_size``: HSDP, each replica's
     parameters sharded over that many data-parallel ranks; ``outer_sharding``:
@@ -43,7 +43,7 @@ def estimate(model: str | ModelSpec, world_sizes: Iterable[int], *, strategy: st
                                  + (f" x tensor-parallel size {tp}" if tp > 1 else ""))
             replicas = world // tp // shard_size
         layout = Layout(world=world, strategy=strategy, replicas=replicas, tp=tp,
-                        outer_sharding=outer_sharding and replicas > 1, bf16=bf16,
+                        outer_sharding=outer_sharding and replicas > 1, bf16=bf16, reduce_bf16=reduce_bf16,
                         micro_batch=micro_batch, seq_len=seq_len)
         rows.append((layout, estimate_layout(spec, layout)))
     return rows

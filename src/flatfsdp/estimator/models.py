@@ -166,7 +166,10 @@ def _hf_spec(name: str, config, units: list[str] | None, recompute: str) -> Mode
         model = hf_model_from_config(config)
         if recompute != "none":
             kwargs = {"use_reentrant": recompute == "reentrant"}
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
 
     if units is None:

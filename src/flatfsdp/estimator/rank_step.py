@@ -36,7 +36,9 @@ class Layout:
     """Tensor-parallel ranks (the innermost mesh dimension); data parallelism
     spans world / tp ranks."""
     bf16: bool = False
-    """Compute in bf16 from fp32 main weights (gradients reduced in fp32)."""
+    """Compute in bf16 from fp32 main weights."""
+    reduce_bf16: bool = False
+    """Reduce (and keep unsharded) gradients in bf16 rather than fp32."""
     micro_batch: int = 1
     seq_len: int = 1024
 
@@ -123,11 +125,11 @@ def shard(spec: ModelSpec, layout: Layout, mesh_kwargs: dict) -> tuple[nn.Module
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=1e-4)
     policy = flatfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if layout.bf16 else None,
-                                           reduce_dtype=torch.float32)
+                                           reduce_dtype=torch.bfloat16 if layout.reduce_bf16 else torch.float32)
     model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=spec.units,
                                             zero_dp_strategy=layout.strategy, mixed_precision_policy=policy,
                                             init_model_with_meta_device=True, meta_init_seed=0,
-                                            sync_model_each_microbatch=False, **mesh_kwargs)
+                                            **mesh_kwargs)
     if spec.from_checkpoint or layout.tp > 1:  # tensor-parallel shards are filled, not initialised, on meta
         flatfsdp.mark_initialized(model)
     return model, optimizer
