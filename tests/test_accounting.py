@@ -12,7 +12,7 @@ import pytest
 import flatfsdp
 from flatfsdp.models.gpt import lm_loss
 from harness import run_ranks
-from training import batches, local_slice, shard_gpt
+from training import batches, local_slice, shard_gpt, sharded_step
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 ALGORITHMS = ["exchange", "all_reduce", "native"]
@@ -91,3 +91,36 @@ def test_bytes_communicated_per_step_are_the_strategy_minimum(results, strategy,
     else:
         expected = {"all_gather": numel * weight_bytes, reduce: numel * grad_bytes}
     assert {k: v["bytes"] for k, v in comm.items()} == expected
+
+
+def _reductions_left_worker(rank, world):
+    """With the cycle collector off, count the gradient reductions still alive
+    after two steps whose reductions each produce a fresh buffer (bf16
+    reduction into fp32 main grads): each must die when delivered."""
+    import gc
+
+    import torch
+
+    from flatfsdp.engine.coalesce import ReduceRequest
+
+    gc.collect()
+    gc.disable()
+    try:
+        from training import make_model, make_optimizer
+
+        from flatfsdp.models.gpt import TransformerBlock
+
+        model = make_model()
+        policy = flatfsdp.MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+        model, opt = flatfsdp.fully_shard(model, make_optimizer("adamw", model.named_parameters()),
+                                          fsdp_unit_modules=[TransformerBlock], mixed_precision_policy=policy)
+        for x in batches(2):
+            sharded_step(model, opt, x, rank, world)
+        alive = sum(isinstance(o, ReduceRequest) for o in gc.get_objects())
+    finally:
+        gc.enable()
+    return alive
+
+
+def test_delivered_reductions_free_their_buffers_without_the_cycle_collector():
+    assert run_ranks(_reductions_left_worker, 2) == [0, 0]

@@ -439,7 +439,12 @@ class ParamGroup:
             # Only this backward's sums lack the replicas': the request
             # all-reduces just them (coalesced with the rest of its bucket).
             request.outer = self.outer_pg
-        request.then.append(lambda: self._finish_reduction(accum, request.output, has_data, divisor, outer_now))
+        # The callback names the output, not the request: a request holding a
+        # closure over itself is a reference cycle, and its output (a fresh
+        # shard-sized buffer for HFSDP and bf16 reductions) would then live
+        # until Python's cycle collector ran, not until delivered.
+        output = request.output
+        request.then.append(lambda: self._finish_reduction(accum, output, has_data, divisor, outer_now))
         if hook is not None:
             request.then.append(lambda: hook(self.main_grad))
         self._inflight = request

@@ -1,7 +1,8 @@
-"""One rank's training step, as `flatfsdp train` runs it, with what it holds
-and sends written down. The estimator runs it on fake tensors under a fake
-process group; the check against reality runs the very same function on real
-ranks -- only the meter differs.
+"""One rank's training step -- `flatfsdp train`'s forward, loss, backward,
+clipping and AdamW, on a model sharded with `fully_shard`'s defaults -- with
+what it holds and sends written down. The estimator runs it on fake tensors
+under a fake process group; the check against reality runs the very same
+function on real ranks -- only the meter differs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class Layout:
     world: int
     strategy: str = "optim_grads_params"
     replicas: int = 1
-    """HSDP: model replicas (the outer mesh dimension); each shards over world / replicas ranks."""
+    """HSDP: model replicas (the outer mesh dimension); each shards over
+    world / (replicas x tp) ranks."""
     outer_sharding: bool = False
     """HFSDP: the optimizer state is sharded across the replicas too."""
     tp: int = 1
