@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bf16", action="store_true", help="compute in bf16 from fp32 main weights")
     parser.add_argument("--grad-reduce-in-bf16", action="store_true",
                         help="reduce gradients in bf16 (the whole-gradient buffers of ZeRO-0/1 halve)")
+    parser.add_argument("--defer-reductions", action="store_true",
+                        help="sync_model_each_microbatch=False (what flatfsdp train passes): reductions may land "
+                             "after backward, cross-replica ones at the optimizer step")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     parser.add_argument("--recompute", choices=["none", "reentrant", "non_reentrant"], default="none",
@@ -90,6 +93,7 @@ def run(args) -> int:
     for strategy in strategies:
         rows += estimate(spec, worlds, strategy=strategy, shard_size=args.hsdp_shard, outer_sharding=args.hfsdp,
                          tp=args.tp, bf16=args.bf16, reduce_bf16=args.grad_reduce_in_bf16,
+                         defer_reductions=args.defer_reductions,
                          micro_batch=args.micro_batch, seq_len=args.seq_len)
     deepspeed = _deepspeed(spec, rows) if args.deepspeed else None
     if args.json:

@@ -41,6 +41,9 @@ class Layout:
     """Compute in bf16 from fp32 main weights."""
     reduce_bf16: bool = False
     """Reduce (and keep unsharded) gradients in bf16 rather than fp32."""
+    defer_reductions: bool = False
+    """``sync_model_each_microbatch=False``: reductions may still be in flight
+    after backward, and cross-replica ones wait for the optimizer step."""
     micro_batch: int = 1
     seq_len: int = 1024
 
@@ -54,7 +57,7 @@ class Layout:
         if self.replicas > 1:
             kind = "HFSDP" if self.outer_sharding else "HSDP"
             text = f"{kind} {self.replicas}x{self.shard} {text}"
-        return text + (f" TP{self.tp}" if self.tp > 1 else "")
+        return text + (f" TP{self.tp}" if self.tp > 1 else "") + (" deferred" if self.defer_reductions else "")
 
     def check(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -131,7 +134,7 @@ def shard(spec: ModelSpec, layout: Layout, mesh_kwargs: dict) -> tuple[nn.Module
     model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=spec.units,
                                             zero_dp_strategy=layout.strategy, mixed_precision_policy=policy,
                                             init_model_with_meta_device=True, meta_init_seed=0,
-                                            **mesh_kwargs)
+                                            sync_model_each_microbatch=not layout.defer_reductions, **mesh_kwargs)
     if spec.from_checkpoint or layout.tp > 1:  # tensor-parallel shards are filled, not initialised, on meta
         flatfsdp.mark_initialized(model)
     return model, optimizer
