@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator
 
 from torch.profiler import ProfilerActivity, profile, record_function
