@@ -129,21 +129,22 @@ class FSDPModule(TorchFSDPModule):
             context.wait_reductions()
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide summed gradients by ``factor`` instead of the data-parallel size."""
+        """Divide this unit's summed gradients by ``factor`` instead of the
+        data-parallel size. This unit only, as in FSDP2: the units below keep
+        their own factor (set it on each to change them all)."""
         if not factor > 0:
             raise ValueError(f"the gradient divide factor must be positive, got {factor!r}")
-        for state in self._states(True):
-            state.controls.gradient_divide_factor = float(factor)
+        self._flatfsdp_state.controls.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Old name of ``set_gradient_divide_factor``."""
         self.set_gradient_divide_factor(factor)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
-        """Call ``hook`` on each reduced gradient shard (flat, this rank's
-        part) once it lands; it may modify it in place."""
-        for state in self._states(True):
-            state.controls.all_reduce_hook = hook
+        """Call ``hook`` on each of this unit's reduced gradient shards (flat,
+        this rank's part) once it lands; it may modify it in place. This unit
+        only, as in FSDP2."""
+        self._flatfsdp_state.controls.all_reduce_hook = hook
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many gradient reductions may be in flight at once (each holds an
