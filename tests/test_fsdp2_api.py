@@ -40,9 +40,11 @@ class Net(nn.Module):
         self.head = nn.Linear(DIM, 8)
         self.use_encode = use_encode
 
-    def forward(self, x, skip_head: bool = False):
+    def forward(self, x, skip_head: bool = False, skip_block: int | None = None):
         h = self.emb(x)
         for i, block in enumerate(self.blocks):
+            if i == skip_block:
+                continue  # routing: this input does not use the block
             h = block.encode(h) if self.use_encode and i == 0 else block(h)
         h = self.norm(h)
         return h if skip_head else self.head(h)
@@ -275,6 +277,38 @@ def _scenarios(rank, world):
     out["after_reset_iter_state"] = _train(model, ref)
 
     out["isinstance_torch"] = isinstance(model, TorchFSDPModule) and isinstance(model, flatfsdp.FSDPModule)
+
+    # Ranks that use different parameters of one unit: rank r's data skips
+    # block r (blocks in the root unit), so block 0 has no gradient on rank 0.
+    model, ref = fresh()
+    fully_shard(model.emb)
+    fully_shard(model)
+    model.set_reduce_scatter_unused_params(True)
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for x in _batches(3):
+        per = x.shape[0] // world
+        model(_local(x), skip_block=rank).pow(2).mean().backward()
+        (sum(ref(x[r * per:(r + 1) * per], skip_block=r).pow(2).mean() for r in range(world)) / world).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    out["reduce_scatter_unused_params"] = _max_param_diff(model, ref)
+
+    # FSDP2's allocation and communicator hints are accepted and change no
+    # value; custom collectives are refused, naming the unit.
+    model, ref = fresh()
+    _shard(model, fully_shard)
+    model.set_force_sum_reduction_for_comms(True)
+    model.set_allocate_memory_from_process_group_for_comm(True)
+    model.set_symm_mem_for_comm()
+    model.set_separate_reduce_scatter_group(True)
+    out["accepted_hints"] = _train(model, ref)
+    refused = []
+    for method in ("set_custom_all_gather", "set_custom_reduce_scatter"):
+        try:
+            getattr(model.blocks[1], method)(object())
+        except NotImplementedError as e:
+            refused.append(str(e))
+    out["custom_comms_refused"] = refused
     return out
 
 
@@ -287,7 +321,8 @@ PARITY = ["reshard_after_forward=True", "reshard_after_forward=False", "reshard_
           "reshard_after_forward=1", "reshard_after_forward=2", "grouped", "placement_fn", "offload_policy",
           "offload_none", "ignored", "frozen_after_sharding", "grad_accumulation", "requires_all_reduce_1d",
           "explicit_prefetch", "unshard_in_backward_false", "max_input_buffers", "unshard_async",
-          "forward_method", "to_float64", "to_empty", "after_reset_iter_state"]
+          "forward_method", "to_float64", "to_empty", "after_reset_iter_state", "reduce_scatter_unused_params",
+          "accepted_hints"]
 
 
 @pytest.mark.parametrize("scenario", PARITY)
@@ -330,6 +365,22 @@ def test_max_input_buffers_validation(results):
 
 def test_units_are_torch_fsdp_modules(results):
     assert results[0]["isinstance_torch"]
+
+
+def test_every_public_method_of_torch_fsdp_module_is_flatfsdps_own():
+    """None falls through to torch's implementation, which would look for
+    FSDP2's private state and silently set fields nothing reads."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    import flatfsdp
+
+    own = set(vars(flatfsdp.FSDPModule))
+    assert [n for n in dir(TorchFSDPModule) if not n.startswith("_") and n not in own] == []
+
+
+def test_custom_collectives_are_refused_naming_the_unit(results):
+    refused = results[0]["custom_comms_refused"]
+    assert len(refused) == 2 and all("unit 'blocks.1'" in message for message in refused)
 
 
 def _profiled_step(rank, world):

@@ -146,6 +146,50 @@ class FSDPModule(TorchFSDPModule):
         only, as in FSDP2."""
         self._flatfsdp_state.controls.all_reduce_hook = hook
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: a parameter without a gradient on this rank is reduced as a
+        zero gradient, so every rank gets a ``.grad`` for every parameter of
+        the unit. Needed when ranks use different parameters (expert routing,
+        conditional branches): without it, only the ranks that used a
+        parameter step their chunk of it."""
+        for state in self._states(recurse):
+            state.controls.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2 scripts; changes nothing here: this engine's
+        reductions always sum and divide afterwards (FSDP2's behaviour with
+        ``True``), so no pre-scaling or averaging op is ever used."""
+        _require_bool("set_force_sum_reduction_for_comms", enable)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for FSDP2 scripts; changes nothing here (an allocation
+        hint): gathers of 4 MiB or more land straight in the buffer the
+        parameters view, so there is no separate staging buffer to place."""
+        _require_bool("set_allocate_memory_from_process_group_for_comm", enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for FSDP2 scripts; changes nothing here (an allocation
+        hint, as ``set_allocate_memory_from_process_group_for_comm``)."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Accepted for FSDP2 scripts; changes nothing here: reductions
+        already run on their own stream, and values do not depend on which
+        communicator carries them."""
+        _require_bool("set_separate_reduce_scatter_group", enable)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported: raises rather than silently gathering another way."""
+        raise NotImplementedError(f"unit '{self._flatfsdp_state.path or '<root>'}': set_custom_all_gather is not "
+                                  "supported by flatfsdp (its gathers land in flat per-unit buffers); remove the call")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported: raises rather than silently reducing another way."""
+        raise NotImplementedError(f"unit '{self._flatfsdp_state.path or '<root>'}': set_custom_reduce_scatter is "
+                                  "not supported by flatfsdp (its reductions run on flat per-unit buffers); remove "
+                                  "the call")
+
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many gradient reductions may be in flight at once (each holds an
         unsharded gradient buffer); the largest value of any unit applies."""
@@ -234,6 +278,11 @@ class Fsdp2StateView:
     @property
     def _fsdp_param_group(self):
         return self._state.groups[0] if self._state.groups else None
+
+
+def _require_bool(method: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method} takes a bool, got {type(value).__name__}")
 
 
 def _states_of(modules: list) -> list[UnitState]:

@@ -342,13 +342,19 @@ class ParamGroup:
 
     # ---- gradients ----------------------------------------------------------------------
 
-    def accumulate_grads(self) -> bool:
+    def accumulate_grads(self, include_unused: bool = False) -> bool:
         """Move the gradients autograd left on the unsharded parameters into the
-        rank-major accumulation buffer. Returns whether there were any."""
+        rank-major accumulation buffer. Returns whether there were any.
+
+        ``include_unused`` (FSDP2's ``set_reduce_scatter_unused_params``): a
+        parameter without a gradient on this rank counts as a zero gradient,
+        so every parameter of the group gets its reduced ``.grad`` on every
+        rank -- needed when ranks use different parameters (routing), where
+        otherwise only the ranks that used one would step their chunk of it."""
         if not self.trainable:
             return False
         pairs = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
-        if not pairs:
+        if not pairs and not include_unused:
             return False
         fresh = self._accum is None
         if fresh:
@@ -363,12 +369,13 @@ class ParamGroup:
         with torch.no_grad():
             if fresh:
                 self._zero_unwritten(self._accum, {i for i, _ in pairs})
-                torch._foreach_copy_(dst, src)
-            else:
-                torch._foreach_add_(dst, src)
+            if dst:
+                (torch._foreach_copy_ if fresh else torch._foreach_add_)(dst, src)
         for i, _ in pairs:
             self._used[i] = True
             self.params[i].grad = None
+        if include_unused:
+            self._used = [True] * len(self.params)
         return True
 
     def _grad_destinations(self, buffer: FlatBuffer) -> list:

@@ -25,6 +25,10 @@ class UnitControls:
     """Divide the summed gradients by this instead of the data-parallel size."""
     all_reduce_hook: Callable[[Any], None] | None = None
     """Called on this rank's reduced gradient shard (flat) once it lands."""
+    reduce_scatter_unused_params: bool = False
+    """Parameters without a gradient on this rank are reduced as zeros, so all
+    ranks deliver a gradient for every parameter of the unit (ranks that use
+    different parameters must set it, or their optimizers step different sets)."""
     requires_all_reduce: bool = True
     """Hybrid meshes: all-reduce across replicas (a 1-D mesh has none)."""
     reduce_scatter_max_input_buffers: int = 1

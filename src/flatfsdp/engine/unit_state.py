@@ -226,7 +226,7 @@ class UnitState:
         with record_function(self.label("post_backward")):
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
-                group.accumulate_grads()
+                group.accumulate_grads(self.controls.reduce_scatter_unused_params)
             if self.requires_grad_sync:
                 for group in self.groups:
                     request = group.reduction_request(self.average_grads, self.controls.gradient_divide_factor,
