@@ -25,6 +25,7 @@ LAYERS = {
     "param_group": 4,
     "root_context": 5, "unit_state": 5, "fsdp_module": 5, "meta_init": 5, "tied_params": 5, "state_dict": 5,
     "unit_classes": 5, "stale_optimizers": 5, "conversion": 5,
+    "replaced_params": 5,
     "shard_unit": 6, "optimizer": 6, "memory": 6, "finite_check": 6,
     "api": 7, "__init__": 8,
 }

@@ -101,7 +101,7 @@ def _train(model, ref, steps=3, *, before_step=None, microbatches=1, forward=Non
 
 def _scenarios(rank, world):
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule as TorchFSDPModule, OffloadPolicy
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     import flatfsdp
     from flatfsdp import fully_shard
@@ -262,6 +262,50 @@ def _scenarios(rank, world):
             p.copy_(distribute_tensor(original[n], p.device_mesh, p.placements))
     out["to_empty"] = _train(model, ref)
 
+    # FSDP2's meta-device recipe: build on meta, shard, to_empty, then the
+    # model's own initialisation -- which must survive the first forward.
+    model, ref = fresh()
+    with torch.device("meta"):
+        meta = Net()
+    _shard(meta, fully_shard)
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for (n, p), q in zip(meta.named_parameters(), ref.parameters()):
+            p.copy_(distribute_tensor(q.detach(), p.device_mesh, p.placements))
+    out["meta_to_empty_then_init"] = _train(meta, ref)
+
+    # A parameter replaced after sharding, before the first forward (FSDP2
+    # shards the new value at lazy init): a plain tensor on the root unit, and
+    # a DTensor computed from a sharded weight on a block.
+    model, ref = fresh()
+    _shard(model, fully_shard)
+    gen = torch.Generator().manual_seed(5)
+    new_norm = torch.randn(DIM, generator=gen)
+    model.norm.weight = nn.Parameter(new_norm.clone())
+    ref.norm.weight = nn.Parameter(new_norm.clone())
+    with torch.no_grad():
+        new_bias = nn.Parameter(torch.linalg.norm(model.blocks[0].lin.weight, dim=1))
+        model.blocks[0].lin.bias = new_bias
+        ref.blocks[0].lin.bias = nn.Parameter(torch.linalg.norm(ref.blocks[0].lin.weight, dim=1))
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)  # holds the plain norm.weight
+    try:
+        model(_local(_batches(1)[0]))
+        out["replaced_stale_optimizer"] = ""
+    except ValueError as e:
+        out["replaced_stale_optimizer"] = str(e)
+    del stale
+    out["replaced_after_sharding"] = _train(model, ref)
+    out["replaced_is_sharded"] = (model.blocks[0].lin.bias is new_bias and isinstance(new_bias, DTensor)
+                                  and isinstance(model.norm.weight, DTensor))
+    model, _ = fresh()
+    _shard(model, fully_shard)
+    model.blocks[2].lin.bias = nn.Parameter(torch.zeros(DIM + 1))
+    try:
+        model(_local(_batches(1)[0]))
+        out["replaced_bad_shape"] = ""
+    except ValueError as e:
+        out["replaced_bad_shape"] = str(e)
+
     model, ref = fresh()
     _shard(model, fully_shard)
 
@@ -322,7 +366,7 @@ PARITY = ["reshard_after_forward=True", "reshard_after_forward=False", "reshard_
           "offload_none", "ignored", "frozen_after_sharding", "grad_accumulation", "requires_all_reduce_1d",
           "explicit_prefetch", "unshard_in_backward_false", "max_input_buffers", "unshard_async",
           "forward_method", "to_float64", "to_empty", "after_reset_iter_state", "reduce_scatter_unused_params",
-          "accepted_hints"]
+          "accepted_hints", "meta_to_empty_then_init", "replaced_after_sharding"]
 
 
 @pytest.mark.parametrize("scenario", PARITY)
@@ -376,6 +420,15 @@ def test_every_public_method_of_torch_fsdp_module_is_flatfsdps_own():
 
     own = set(vars(flatfsdp.FSDPModule))
     assert [n for n in dir(TorchFSDPModule) if not n.startswith("_") and n not in own] == []
+
+
+def test_replaced_parameters_are_sharded_or_refused_naming_them(results):
+    assert results[0]["replaced_is_sharded"]
+    message = results[0]["replaced_bad_shape"]
+    assert "'blocks.2.lin.bias'" in message or "'lin.bias'" in message, message
+    assert "(17,)" in message and "(16,)" in message, message
+    stale = results[0]["replaced_stale_optimizer"]
+    assert "'norm.weight' (a plain tensor assigned after fully_shard" in stale, stale
 
 
 def test_custom_collectives_are_refused_naming_the_unit(results):

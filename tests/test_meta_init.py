@@ -121,6 +121,9 @@ class _Scale(nn.Module):
         super().__init__()
         self.gain = nn.Parameter(torch.ones(4))
 
+    def forward(self, x):
+        return x * self.gain
+
 
 def _no_reset_worker(rank, world):
     with torch.device("meta"):
@@ -131,6 +134,27 @@ def _no_reset_worker(rank, world):
     except ValueError as err:
         return str(err)
     return None
+
+
+def test_parameter_replaced_after_sharding_needs_no_reset_parameters():
+    """FSDP2's lazy-init case: a meta parameter of a module without
+    reset_parameters() is given its value by assignment after sharding; the
+    unit takes that value, and the rest is initialised as the reference."""
+    values, reference = run_ranks(_replaced_worker, 2)[0]
+    assert torch.equal(values["1.gain"], torch.full((4,), 3.0))
+    for key in ("0.weight", "0.bias"):
+        assert torch.equal(values[key], reference[key]), key
+
+
+def _replaced_worker(rank, world):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _Scale())
+    flatfsdp.fully_shard(model, meta_init_seed=SEED)
+    model[1].gain = nn.Parameter(torch.full((4,), 3.0))
+    model(torch.ones(1, 4))
+    model.reshard()
+    reference = flatfsdp.reset_parameters(nn.Sequential(nn.Linear(4, 4), nn.Identity()), SEED)
+    return _values(model), _values(reference)
 
 
 def _unseeded_worker(rank, world):

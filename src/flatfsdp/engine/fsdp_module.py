@@ -60,6 +60,17 @@ class FSDPModule(TorchFSDPModule):
         adopt_converted(state, self)
         return ret
 
+    def to_empty(self, *, device: Any, recurse: bool = True):
+        """As torch's: the sharded parameters get uninitialised storage on
+        ``device``. The caller then initialises them (FSDP2's meta-device
+        recipe: ``to_empty``, then the model's own init), so flatfsdp's
+        deferred ``reset_parameters()`` initialisation of these units is
+        dropped -- at the first forward it would overwrite the caller's values."""
+        result = super().to_empty(device=device, recurse=recurse)
+        for state in self._states(recurse):
+            state.pending_init = []
+        return result
+
     # ---- gather / release ---------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:

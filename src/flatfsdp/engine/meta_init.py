@@ -111,8 +111,16 @@ def _require_plain(state) -> None:
 def initialize_pending(state) -> None:
     """Run the deferred ``reset_parameters()`` of a unit's modules into a
     temporary full copy of each group (main dtype), keep this rank's chunks."""
-    pending = state.pending_init
+    # Only parameters that were on the meta device take the new values: a real
+    # parameter in the same unit (a pretrained embedding put into a meta-built
+    # model) keeps the values it was given, even when its module was reset;
+    # so does one the user replaced after sharding (state.user_valued).
+    was_meta = {id(real) for real in state.meta_originals} - state.user_valued
+    owners = {id(module) for group in state.groups for slot in group.slots if id(slot.param) in was_meta
+              for module, _ in slot.locations}
+    pending = [entry for entry in state.pending_init if id(entry[2]) in owners]
     if not pending:
+        state.pending_init = []
         return
     for index, path, module in pending:  # before any change: a failed check leaves the unit as it was
         _require_reset(module, _model_name(state.paths[index], path))
@@ -126,10 +134,6 @@ def initialize_pending(state) -> None:
             param.data = views.unsharded_param(temp, p)
         group.use_unsharded_params()
         temps.append(temp)
-    # Only parameters that were on the meta device take the new values: a real
-    # parameter in the same unit (a pretrained embedding put into a meta-built
-    # model) keeps the values it was given, even when its module was reset.
-    was_meta = {id(real) for real in state.meta_originals}
     with torch.no_grad():
         for index, path, module in pending:
             seeded_reset(module, state.init_seed, _model_name(state.paths[index], path))

@@ -248,6 +248,17 @@ class ParamGroup:
             sharded.grad = None
             torch.utils.swap_tensors(sharded, nn.Parameter(local, requires_grad=sharded.requires_grad))
 
+    def adopt_sharded_param(self, index: int, param: nn.Parameter) -> None:
+        """Make ``param`` (a DTensor parameter the user put in place of
+        sharded parameter ``index``) that sharded parameter, viewing the main
+        weights: the object the user (and an optimizer built on it) holds is
+        the one trained."""
+        mesh, placements, spec = self._dtensor_spec(index)
+        local = DTensor.from_local(self.main_chunk(index), mesh, placements, **spec)
+        param.grad = None
+        torch.utils.swap_tensors(param, nn.Parameter(local, requires_grad=param.requires_grad))
+        self.sharded_params[index] = param
+
     # ---- weights ------------------------------------------------------------------------
 
     @property

@@ -58,6 +58,13 @@ class UnitState:
         """Real parameter -> the meta-device parameter it replaced (an optimizer
         built on the meta model still holds the old objects)."""
         self.init_seed = 0
+        self.user_valued: set[int] = set()
+        """ids of original parameters whose values the user gave after sharding
+        (a replaced parameter): deferred initialisation leaves them alone."""
+        self._first_use_seen = False
+        self.orphaned: dict[int, tuple] = {}
+        """id -> (plain parameter the user assigned after sharding, its name):
+        its value was taken, the object itself is not trained (see replaced_params)."""
         self.paths = [""] * len(modules)
         """Each module's name in the model the outermost fully_shard call sharded."""
         self._forwarded: set[int] = set()
@@ -97,10 +104,20 @@ class UnitState:
         gather_units([self], async_op)
 
     def ensure_initialized(self) -> None:
-        """Run a meta-device unit's deferred initialisation (see meta_init)."""
+        """At the unit's first use: take parameters the user replaced since
+        sharding (see replaced_params), then run a meta-device unit's deferred
+        initialisation (see meta_init) for the parameters still awaiting it."""
+        self.adopt_replaced_params()
         if self.pending_init:
             from flatfsdp.engine.meta_init import initialize_pending
             initialize_pending(self)
+
+    def adopt_replaced_params(self) -> None:
+        """Once, at the unit's first use: take the parameters the user replaced since sharding."""
+        if not self._first_use_seen:
+            from flatfsdp.engine.replaced_params import adopt_replaced_params
+            self.user_valued |= adopt_replaced_params(self)
+            self._first_use_seen = True
 
     def wait_unshard(self) -> None:
         gathers, self._gathers = self._gathers, []
@@ -252,6 +269,8 @@ class UnitState:
         for state in states:
             if state.deferred_errors:
                 raise state.deferred_errors[0]
+        for state in states:
+            state.adopt_replaced_params()
         for module in self.modules:
             check_params_stay_in_units(module)
         check_no_stale_optimizer(states)
