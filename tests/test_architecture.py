@@ -19,7 +19,7 @@ ENGINE = SRC / "engine"
 LAYERS = {
     "layout": 0, "strategy": 0, "training_state": 0, "comm_account": 0, "unit_controls": 0,
     "device": 1, "precision": 1, "buffer": 1, "views": 1, "mesh": 1, "host_memory": 1, "placement": 1,
-    "structures": 1, "watchdog": 1, "fsdp2_args": 1,
+    "structures": 1, "watchdog": 1, "fsdp2_args": 1, "offload": 1,
     "exchange": 2, "collectives": 2, "fingerprint": 2,
     "gather": 3, "coalesce": 3, "reduction_queue": 3, "outer_shard": 3,
     "param_group": 4,

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from flatfsdp.engine.fsdp2_args import check_fsdp2_mesh, check_offload_policy, fsdp2_reshard_after_forward
+from flatfsdp.engine.offload import HostOffload
 from flatfsdp.engine.layout import check_block
 from flatfsdp.engine.mesh import check_device, check_hybrid_group, expert_dp_mesh, resolve_dp_mesh
 from flatfsdp.engine.optimizer import fully_shard_optimizer
@@ -71,7 +72,8 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
     options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed,
                    shard_block=_checked_block(shard_block))
     ignored = frozenset(id(p) for p in ignored_params or ())
-    check_offload_policy(offload_policy, options["mesh"].shard)
+    check_offload_policy(offload_policy)
+    options["offload"] = HostOffload.for_mesh(offload_policy, options["mesh"].shard.device_type)
     if fsdp_unit_modules is None and optimizer is None:
         reshard = fsdp2_reshard_after_forward(reshard_after_forward, options["mesh"].shard)
         shard_unit(module, reshard_after_forward=reshard, shard_placement_fn=shard_placement_fn,

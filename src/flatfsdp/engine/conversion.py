@@ -68,4 +68,5 @@ def _rebuilt(group: ParamGroup, state, dtype: torch.dtype, device: torch.device)
         for m, attr in slot.locations:
             m._parameters[attr] = param
         slots.append(dataclasses.replace(slot, param=param))
-    return ParamGroup(slots, placement=group.placement, policy=state.policy, device=device, fill=False)
+    return ParamGroup(slots, placement=group.placement, policy=state.policy, device=device, fill=False,
+                      offload=group.offload)

@@ -42,17 +42,12 @@ def fsdp2_reshard_after_forward(value: bool | int | None, mesh: DeviceMesh) -> b
     return value != 1
 
 
-def check_offload_policy(policy: Any, mesh: DeviceMesh) -> None:
-    """``OffloadPolicy()`` (no offload) and ``CPUOffloadPolicy`` are accepted.
-    On a CPU mesh the weights, gradients and optimizer step are in host memory
-    already, so CPU offload changes nothing; on an accelerator it is not
-    implemented yet and says so rather than running without it."""
+def check_offload_policy(policy: Any) -> None:
+    """``OffloadPolicy()`` (no offload) and ``CPUOffloadPolicy`` are accepted
+    (see offload.py for what offloading does, and why a CPU mesh needs none)."""
     if policy is None:
         return
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.fsdp import OffloadPolicy
 
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got {type(policy).__name__}")
-    if isinstance(policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
-        raise NotImplementedError("CPUOffloadPolicy on an accelerator mesh is not implemented yet: the sharded "
-                                  "weights would stay on the device")

@@ -35,6 +35,7 @@ from flatfsdp.engine.buffer import FlatBuffer
 from flatfsdp.engine.coalesce import GatherRequest, ReduceRequest
 from flatfsdp.engine.gather import GatherPlan
 from flatfsdp.engine.layout import build_group_layout
+from flatfsdp.engine.offload import HostOffload, staged_on_device
 from flatfsdp.engine.outer_shard import OuterShard
 from flatfsdp.engine.placement import GroupPlacement, TensorParallelSpec
 from flatfsdp.engine.precision import MixedPrecisionPolicy
@@ -71,9 +72,10 @@ class ParamSlot:
 
 class ParamGroup:
     def __init__(self, slots: list[ParamSlot], *, placement: GroupPlacement, policy: MixedPrecisionPolicy,
-                 device: torch.device, fill: bool = True):
+                 device: torch.device, fill: bool = True, offload: HostOffload | None = None):
         """``fill=False``: the caller writes the main weights' chunks itself
-        (the parameters' values are not read)."""
+        (the parameters' values are not read). ``offload``: the main weights
+        and grads live in host memory (see offload.py)."""
         self.slots = slots
         self.params = [s.param for s in slots]
         """What the module computes with: the original parameters (their data
@@ -90,6 +92,8 @@ class ParamGroup:
         """Which chunk this rank holds (0 when replicated)."""
         original = self.params[0].dtype
         self.trainable = self.params[0].requires_grad and original.is_floating_point
+        self.offload = offload
+        self.compute_device = device
         self.compute_dtype = policy.compute_dtype(original)
         # Frozen parameters keep their own dtype: nothing steps them, and their
         # DTensors (and checkpoints) must hold the values they were given.
@@ -126,19 +130,25 @@ class ParamGroup:
 
     def _allocate(self, device: torch.device) -> None:
         place, shard, full = self.placement, self.layout.shard_numel, self.layout.unsharded_numel
-        same = self.main_dtype == self.compute_dtype
+        # Offloaded main weights never share memory with what the device computes with.
+        same = self.main_dtype == self.compute_dtype and self.offload is None
+
+        def main_buffer(numel: int) -> torch.Tensor:
+            if self.offload is not None:
+                return self.offload.empty(numel, self.main_dtype, device)
+            return torch.empty(numel, dtype=self.main_dtype, device=device)
         self.unsharded = FlatBuffer(full, self.compute_dtype, device, name="model weights")
         self.model_local: torch.Tensor | None = None
         main_numel = shard if self.outer_shard is None else self.outer_shard.numel
         if self.outer_shard is not None:
             # The main weights are a piece of the chunks: never the same tensor.
             self.model_local = torch.empty(shard, dtype=self.compute_dtype, device=device)
-            self.main = torch.empty(main_numel, dtype=self.main_dtype, device=device)
+            self.main = main_buffer(main_numel)
         elif not place.keep_model_weights:
             self.model_local = torch.empty(shard, dtype=self.compute_dtype, device=device)
-            self.main = self.model_local if same else torch.empty(shard, dtype=self.main_dtype, device=device)
+            self.main = self.model_local if same else main_buffer(shard)
         else:
-            self.main = self.unsharded.data if same else torch.empty(shard, dtype=self.main_dtype, device=device)
+            self.main = self.unsharded.data if same else main_buffer(shard)
         # Replicated, S == N and the local layout is the unsharded one.
         self._main_in_unsharded = place.keep_model_weights and same
         self.grads = self.main_grad = self._main_grad_buffer = self._scratch_grad = None
@@ -147,9 +157,12 @@ class ParamGroup:
                                     name="gradients")
             # A kept buffer's own row doubles as the main grads in one dtype.
             self._grads_aliased = (place.keep_grad_buffer and self.reduce_dtype == self.main_dtype
-                                   and self.outer_shard is None)
+                                   and self.outer_shard is None and self.offload is None)
             if self._grads_aliased:
                 self.main_grad = self.grads.data[self.index * shard:(self.index + 1) * shard]
+            elif self.offload is not None:
+                # Host memory is what offload spends instead: kept, not released between steps.
+                self.main_grad = main_buffer(main_numel).zero_()
             else:
                 # Its own buffer: released between steps once the optimizer
                 # has dropped the grads (see release_consumed_grads).
@@ -161,6 +174,13 @@ class ParamGroup:
             source = self.unsharded.data if place.keep_model_weights else self.model_local
             self.gather_plan = GatherPlan(self.layout, self.index, self.unsharded.data, source,
                                           source_in_unsharded=place.keep_model_weights)
+
+    def _in_place_collective(self, tensor: torch.Tensor, collective) -> None:
+        """``collective(tensor)``, in place; an offloaded host tensor goes through the device."""
+        if self.offload is None:
+            collective(tensor)
+        else:
+            staged_on_device(tensor, self.compute_device, collective)
 
     def main_chunk(self, index: int) -> torch.Tensor:
         """This rank's chunk of parameter ``index`` in the main weights."""
@@ -194,9 +214,11 @@ class ParamGroup:
                     self.main_chunk(index).copy_(self.own_chunk_of(value, index))
             # Replicas must agree: the first replica's values win.
             if not self.placement.sharded and self.pg.size() > 1:
-                torch.distributed.broadcast(self.main, group=self.pg, group_src=0)
+                self._in_place_collective(self.main, lambda t: torch.distributed.broadcast(t, group=self.pg,
+                                                                                           group_src=0))
             if self.outer_pg is not None and self.outer_shard is None:
-                torch.distributed.broadcast(self.main, group=self.outer_pg, group_src=0)
+                self._in_place_collective(self.main, lambda t: torch.distributed.broadcast(t, group=self.outer_pg,
+                                                                                           group_src=0))
         # Model weights are synced from the main weights before first use
         # (ZeRO-1/2 gather them, so every replica agrees).
         self._synced = None
@@ -298,7 +320,7 @@ class ParamGroup:
                     if self.outer_shard is not None:
                         self.outer_shard.all_gather(self.main, self.model_local)  # once per optimizer step
                     else:
-                        self.model_local.copy_(self.main)
+                        self.model_local.copy_(self.main, non_blocking=self.offload is not None)
                 self._mark_synced()
             self.unsharded.alloc()
             return GatherRequest(self.gather_plan, self.pg)
@@ -448,9 +470,10 @@ class ParamGroup:
         if not self.placement.sharded:
             request = ReduceRequest("all_reduce", accum.data, accum.data, self.pg)
         else:
-            direct = not has_data and self.main_grad.dtype == self.reduce_dtype and self.outer_shard is None
+            direct = (not has_data and self.main_grad.dtype == self.reduce_dtype and self.outer_shard is None
+                      and self.offload is None)
             result = self.main_grad if direct else torch.empty(
-                self.layout.shard_numel, dtype=self.reduce_dtype, device=self.main_grad.device)
+                self.layout.shard_numel, dtype=self.reduce_dtype, device=self.compute_device)
             request = ReduceRequest("reduce_scatter", accum.data, result, self.pg)
         outer_now = self.outer_pg is not None and all_reduce and not (defer_to_step and len(self.bound_optimizers))
         if outer_now and not self._outer_due and self.outer_shard is None:
@@ -476,7 +499,10 @@ class ParamGroup:
             self._deliver(self._outer_reduce(), self._main_grad_has_data(), self._pending_divisor)
         if self._outer_due:
             self._outer_due = False
-            collectives.all_reduce(self.main_grad, self.outer_pg).wait()
+            self._all_reduce_main_grad_over_replicas()
+
+    def _all_reduce_main_grad_over_replicas(self) -> None:
+        self._in_place_collective(self.main_grad, lambda t: collectives.all_reduce(t, self.outer_pg).wait())
 
     def release_consumed_grads(self) -> None:
         """Free the sharded main grads once the optimizer has set every grad to
@@ -527,6 +553,8 @@ class ParamGroup:
         then hand the optimizer its ``.grad`` views."""
         if self._main_grad_buffer is not None:
             self._main_grad_buffer.alloc()
+        if self.offload is not None:
+            result = result.to(self.main_grad.device)  # device -> host, once per reduction
         with torch.no_grad():
             if has_data:
                 for index, grad in enumerate(self.sharded_params):
@@ -543,7 +571,7 @@ class ParamGroup:
         if self.outer_pg is not None and self.outer_shard is None:
             if outer_now and self._outer_due:
                 # Earlier backwards' sums are in the main grads too: all-reduce the lot, once.
-                collectives.all_reduce(self.main_grad, self.outer_pg).wait()
+                self._all_reduce_main_grad_over_replicas()
             self._outer_due = not outer_now
         for i, sp in enumerate(self.sharded_params):
             if self._used[i]:

@@ -22,6 +22,7 @@ from flatfsdp.engine.placement import GroupPlacement, TensorParallelSpec
 from flatfsdp.engine.precision import MixedPrecisionPolicy
 from flatfsdp.engine.state_dict import install_state_dict_hooks
 from flatfsdp.engine.strategy import ShardingStrategy
+from flatfsdp.engine.offload import HostOffload
 from flatfsdp.engine.tied_params import already_managed
 from flatfsdp.engine.unit_state import UnitState
 
@@ -31,14 +32,16 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
                sync_each_microbatch: bool = True, exclude: frozenset[int] = frozenset(), name: str = "",
                prefetch_bytes: int | None = None, bucket_bytes: int | None = None,
                meta_init_seed: int | None = None, shard_block=None, shard_placement_fn=None,
-               require_shardable: bool = False, expert_mesh: DataParallelMesh | None = None) -> UnitState:
+               require_shardable: bool = False, expert_mesh: DataParallelMesh | None = None,
+               offload: HostOffload | None = None) -> UnitState:
     """Shard one unit: a module, or several modules that run as one (a list).
 
     ``shard_placement_fn(param) -> Shard(dim) | None`` picks each parameter's
     dimension (FSDP2's argument); ``require_shardable`` refuses scalar and
     non-contiguous parameters as FSDP2 does instead of replicating them.
     Expert parameters (Megatron-Core marks them ``allreduce=False``) are
-    sharded over ``expert_mesh`` when one is given."""
+    sharded over ``expert_mesh`` when one is given. ``offload``: main weights
+    and gradients in host memory (offload.py)."""
     units = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     label = name or ", ".join(type(m).__name__ for m in units)
     _check_units(units, label)
@@ -65,7 +68,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
         tp_mesh = members[0].tp.mesh if members[0].tp is not None else None
         placement = GroupPlacement.resolve(strategy, meshes[expert], replicate=replicated, tp_mesh=tp_mesh,
                                            hybrid=hybrid)
-        groups.append(ParamGroup(members, placement=placement, policy=policy, device=device))
+        groups.append(ParamGroup(members, placement=placement, policy=policy, device=device, offload=offload))
     for group in groups:
         group.use_sharded_params()
     state = UnitState(units, groups, policy=policy, reshard_after_forward=reshard_after_forward,

@@ -1,0 +1,233 @@
+"""CPU offload (FSDP2's ``CPUOffloadPolicy``, engine/offload.py).
+
+No accelerator here, so the offloaded layout is built on CPU (the engine is
+handed a ``HostOffload`` where a CPU mesh would get none): main weights and
+main grads in their own host buffers, the compute-dtype chunk copied in
+before each gather, each reduced chunk copied out, host tensors staged
+through the device for collectives -- every copy made, CPU to CPU. Checked:
+training equals the unsharded reference in every strategy, with bf16 compute,
+and on a hybrid mesh; and nothing the optimizer reads or writes shares memory
+with what the module computes with. On a real CPU mesh the policy changes
+nothing (tests/test_fsdp2_api.py)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run_ranks
+
+DIM = 32
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block() for _ in range(3)))
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+CASES = [("optim", torch.float32, None), ("optim_grads", torch.float32, None),
+         ("optim_grads_params", torch.float32, None), ("optim_grads_params", torch.bfloat16, None),
+         ("optim", torch.bfloat16, None), ("optim_grads_params", torch.float32, "hsdp"),
+         ("optim_grads_params", torch.float32, "hsdp_deferred")]
+
+
+class _CollectivesOnHostMemory:
+    """Records every c10d op that is handed a tensor in one of ``host`` storages:
+    NCCL takes device memory only, so an offloaded host buffer must never be
+    one (the engine stages it through the device)."""
+
+    def __init__(self, host: set[int]):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        found = self.found = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "c10d":
+                    flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                    if _storages([t for t in flat if isinstance(t, torch.Tensor)]) & host:
+                        found.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t is not None and t.numel()}
+
+
+def _worker(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    import flatfsdp
+    from flatfsdp.engine.offload import HostOffload
+
+    # Collectives as on an accelerator (one native collective per bucket, its
+    # output handed to c10d), not gloo's pairwise exchanges: what the watch
+    # below sees is then what NCCL would be given.
+    os.environ["FLATFSDP_GLOO_ALGORITHM"] = "native"
+    # Build the offloaded layout on this CPU-only machine (see the module docstring).
+    HostOffload.for_mesh = staticmethod(lambda policy, device_type: HostOffload(pin_memory=False)
+                                        if isinstance(policy, CPUOffloadPolicy) else None)
+    out = {}
+    for strategy, dtype, hybrid in CASES:
+        torch.manual_seed(0)
+        model = Net()
+        ref = copy.deepcopy(model)
+        # bucket_bytes=0: every group's collective on its own buffers, as large
+        # ones are (small ones would be packed into device staging first).
+        kw = dict(fsdp_unit_modules=[Block], zero_dp_strategy=strategy, offload_policy=CPUOffloadPolicy(),
+                  bucket_bytes=0)
+        if dtype == torch.bfloat16:  # bf16 compute, fp32 main weights and reductions
+            kw["mp_policy"] = flatfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if hybrid:
+            kw.update(device_mesh=init_device_mesh("cpu", (world, 1), mesh_dim_names=("outer", "shard")),
+                      dp_outer_dim="outer", dp_shard_dim="shard")
+        if hybrid == "hsdp_deferred":  # the replicas' all-reduce waits for the optimizer step
+            kw["sync_model_each_microbatch"] = False
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, opt = flatfsdp.fully_shard(model, opt, **kw)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        watch = _CollectivesOnHostMemory(_host_storages(model))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4 * world, DIM, generator=gen)
+            with watch.mode:
+                for micro in x.chunk(world)[rank].chunk(2):  # two microbatches
+                    (model(micro).pow(2).mean() / 2).backward()
+                opt.step()
+            ref(x).pow(2).mean().backward()
+            ref_opt.step()
+            separate = _layout_is_separate(model)
+            opt.zero_grad(), ref_opt.zero_grad()
+        diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        out[f"{strategy}/{dtype}/{hybrid}"] = (diff, separate, sorted(set(watch.found)))
+        dist.barrier()
+    return out
+
+
+def _host_storages(model) -> set[int]:
+    from flatfsdp.engine.unit_state import unit_states
+
+    return _storages([t for state in unit_states(model) for g in state.groups for t in (g.main, g.main_grad)])
+
+
+def _layout_is_separate(model) -> bool:
+    """What the optimizer reads and writes (the sharded DTensors, their grads,
+    the main buffers) shares no memory with what the module computes with."""
+    from flatfsdp.engine.unit_state import unit_states
+
+    for state in unit_states(model):
+        for group in state.groups:
+            host = _storages([group.main, group.main_grad] + [p.to_local() for p in group.sharded_params])
+            device = _storages([group.unsharded.data, group.model_local, group.grads.data if group.grads else None])
+            if host & device or group.offload is None:
+                return False
+            if any(_storages([p.to_local()]) - _storages([group.main]) for p in group.sharded_params):
+                return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_worker, 2)
+
+
+@pytest.mark.parametrize("strategy,dtype,hybrid", CASES)
+def test_offloaded_training_equals_the_unsharded_reference(results, strategy, dtype, hybrid):
+    for rank, result in enumerate(results):
+        diff, separate, collectives_on_host = result[f"{strategy}/{dtype}/{hybrid}"]
+        assert diff < TOL[dtype], (rank, diff)
+        assert separate, rank
+        assert collectives_on_host == [], (rank, collectives_on_host)
+
+
+def test_cpu_mesh_gets_no_offload():
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from flatfsdp.engine.offload import HostOffload
+
+    assert HostOffload.for_mesh(CPUOffloadPolicy(), "cpu") is None
+    assert HostOffload.for_mesh(OffloadPolicy(), "cuda") is None
+    assert HostOffload.for_mesh(CPUOffloadPolicy(pin_memory=False), "cuda") == HostOffload(pin_memory=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == "cuda"),
+                    reason="needs a CUDA device")
+def test_cuda_offload_keeps_optimizer_state_in_host_memory(tmp_path):
+    """The real thing, on one GPU: parity with the unsharded reference; the
+    sharded parameters, their grads and Adam's state in pinned host memory;
+    the module computing on the device; less device memory than without."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from flatfsdp import fully_shard
+
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        device = torch.device("cuda", torch.cuda.current_device())
+        mesh = init_device_mesh("cuda", (1,))
+        results = {}
+        for offload in (True, False):
+            torch.manual_seed(0)
+            model = Net().to(device)
+            ref = copy.deepcopy(model)
+            policy = CPUOffloadPolicy() if offload else None
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh, offload_policy=policy)
+            fully_shard(model, mesh=mesh, offload_policy=policy)
+            seen = []
+            model.blocks[0].lin.register_forward_pre_hook(lambda m, a: seen.append(m.weight.device.type))
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                x = torch.randn(8, DIM, generator=gen).to(device)
+                model(x).pow(2).mean().backward()
+                ref(x).pow(2).mean().backward()
+                grads = [p.grad.to_local() for p in model.parameters()]
+                opt.step(), ref_opt.step()
+                opt.zero_grad(), ref_opt.zero_grad()
+            torch.cuda.synchronize()
+            locals_ = [p.to_local() for p in model.parameters()]
+            state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+            results[offload] = dict(
+                diff=max((p.full_tensor().cpu() - q.cpu()).abs().max().item()
+                         for p, q in zip(model.parameters(), ref.parameters())),
+                params=sorted({(t.device.type, t.is_pinned()) for t in locals_}),
+                grads=sorted({t.device.type for t in grads}),
+                state=sorted({t.device.type for t in state}),
+                compute=sorted(set(seen)),
+                device_bytes=torch.cuda.memory_allocated())  # the reference's share is the same in both
+            del model, opt, ref, ref_opt, locals_, state, grads
+        on, off = results[True], results[False]
+        assert on["diff"] < 1e-5 and off["diff"] < 1e-5, (on["diff"], off["diff"])
+        assert on["params"] == [("cpu", True)] and on["grads"] == ["cpu"] and on["state"] == ["cpu"], on
+        assert on["compute"] == ["cuda"] and off["params"] == [("cuda", False)], (on, off)
+        assert on["device_bytes"] < off["device_bytes"], (on["device_bytes"], off["device_bytes"])
+    finally:
+        dist.destroy_process_group()
