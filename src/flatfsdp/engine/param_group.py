@@ -265,16 +265,14 @@ class ParamGroup:
         weights again (torch's conversions swap a DTensor parameter's contents
         for the converted copy; swap ours back in, keeping the objects)."""
         for index, sharded in enumerate(self.sharded_params):
-            mesh, placements, spec = self._dtensor_spec(index)
-            local = DTensor.from_local(self.main_chunk(index), mesh, placements, **spec)
-            sharded.grad = None
-            torch.utils.swap_tensors(sharded, nn.Parameter(local, requires_grad=sharded.requires_grad))
+            self.adopt_sharded_param(index, sharded)
 
     def adopt_sharded_param(self, index: int, param: nn.Parameter) -> None:
-        """Make ``param`` (a DTensor parameter the user put in place of
-        sharded parameter ``index``) that sharded parameter, viewing the main
-        weights: the object the user (and an optimizer built on it) holds is
-        the one trained."""
+        """Make the DTensor parameter object ``param`` sharded parameter
+        ``index``, viewing the main weights (its contents are swapped, the
+        object is kept): ours again after a conversion, or one the user put in
+        its place (the object they, and an optimizer built on it, hold is the
+        one trained)."""
         mesh, placements, spec = self._dtensor_spec(index)
         local = DTensor.from_local(self.main_chunk(index), mesh, placements, **spec)
         param.grad = None
