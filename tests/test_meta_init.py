@@ -157,6 +157,29 @@ def _replaced_worker(rank, world):
     return _values(model), _values(reference)
 
 
+def test_values_written_after_sharding_are_not_reinitialised():
+    """to_empty on an unsharded parent, then the user's own init of one
+    parameter: that value survives the first forward; the rest of the meta
+    model is initialised by reset_parameters() as usual."""
+    values, reference = run_ranks(_written_worker, 2)[0]
+    assert torch.equal(values["0.weight"], torch.full((4, 4), 0.25))
+    assert torch.equal(values["0.bias"], reference["bias"])
+    assert torch.equal(values["1.weight"], reference["weight"]) and torch.equal(values["1.bias"], reference["bias"])
+
+
+def _written_worker(rank, world):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer in model:
+        flatfsdp.fully_shard(layer, meta_init_seed=SEED)  # two roots, each named "" as a model of its own
+    model.to_empty(device="cpu")  # a plain parent: each unit is converted through _apply, not to_empty
+    nn.init.constant_(model[0].weight, 0.25)
+    model(torch.ones(1, 4))
+    for layer in model:
+        layer.reshard()
+    return _values(model), _values(flatfsdp.reset_parameters(nn.Linear(4, 4), SEED))
+
+
 def _unseeded_worker(rank, world):
     """No seed anywhere: torch draws each process's initial seed at random."""
     seed = torch.initial_seed()

@@ -22,6 +22,7 @@ def adopt_converted(state, module: nn.Module) -> None:
     state.groups = [_adopt(group, state, module) for group in state.groups]
     for group in state.groups:
         group.use_sharded_params()
+    state.note_init_baseline()  # what conversion wrote is not the user's initialisation
 
 
 def _adopt(group: ParamGroup, state, module: nn.Module) -> ParamGroup:

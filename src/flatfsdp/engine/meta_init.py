@@ -114,8 +114,9 @@ def initialize_pending(state) -> None:
     # Only parameters that were on the meta device take the new values: a real
     # parameter in the same unit (a pretrained embedding put into a meta-built
     # model) keeps the values it was given, even when its module was reset;
-    # so does one the user replaced after sharding (state.user_valued).
-    was_meta = {id(real) for real in state.meta_originals} - state.user_valued
+    # so does one the user replaced (state.user_valued) or wrote in place
+    # after sharding, e.g. to_empty on an unsharded parent then nn.init.
+    was_meta = {id(real) for real in state.meta_originals} - state.user_valued - state.written_since_sharding()
     owners = {id(module) for group in state.groups for slot in group.slots if id(slot.param) in was_meta
               for module, _ in slot.locations}
     pending = [entry for entry in state.pending_init if id(entry[2]) in owners]

@@ -76,6 +76,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
                       prefetch_bytes=prefetch_bytes,
                       bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else _checked_bucket(bucket_bytes))
     state.pending_init = pending_init
+    state.note_init_baseline()
     state.deferred_errors = [error for _, error in conflicts]
     state.deferred_params = {pid for pid, _ in conflicts}
     state.meta_originals = meta_originals

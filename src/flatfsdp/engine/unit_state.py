@@ -62,6 +62,9 @@ class UnitState:
         """ids of original parameters whose values the user gave after sharding
         (a replaced parameter): deferred initialisation leaves them alone."""
         self._first_use_seen = False
+        self._init_baseline: dict[int, int] = {}
+        """id(sharded parameter) -> its version when deferred initialisation was
+        set up: a parameter written since (through its DTensor) has the user's values."""
         self.orphaned: dict[int, tuple] = {}
         """id -> (plain parameter the user assigned after sharding, its name):
         its value was taken, the object itself is not trained (see replaced_params)."""
@@ -111,6 +114,17 @@ class UnitState:
         if self.pending_init:
             from flatfsdp.engine.meta_init import initialize_pending
             initialize_pending(self)
+
+    def note_init_baseline(self) -> None:
+        """Remember the sharded parameters' versions while initialisation is deferred."""
+        if self.pending_init:
+            self._init_baseline = {id(p): p._version for g in self.groups for p in g.sharded_params}
+
+    def written_since_sharding(self) -> set[int]:
+        """ids of original parameters the user wrote through their sharded
+        DTensor (e.g. ``nn.init``) after sharding, before the first use."""
+        return {id(slot.param) for g in self.groups for slot, p in zip(g.slots, g.sharded_params)
+                if id(p) in self._init_baseline and p._version != self._init_baseline[id(p)]}
 
     def adopt_replaced_params(self) -> None:
         """Once, at the unit's first use: take the parameters the user replaced since sharding."""
