@@ -93,7 +93,8 @@ def local_nonfinite(model: nn.Module, loss: torch.Tensor | None = None) -> torch
         values.append(loss.detach().sum().float().to(values[0].device if values else loss.device))
     if not values:
         return torch.zeros((), dtype=torch.float32)
-    total = torch.stack(values).sum()
+    # Offloaded groups' sums are on the host, others' on the device: one device for the stack.
+    total = torch.stack([v.to(values[0].device) for v in values]).sum()
     return (~torch.isfinite(total)).float()
 
 

@@ -139,7 +139,7 @@ class RootContext:
 def _device_of(states: list["UnitState"]) -> torch.device:
     for state in states:
         for group in state.groups:
-            return group.main.device
+            return group.compute_device  # not main.device: offloaded main weights live on the host
     return torch.device("cpu")
 
 
