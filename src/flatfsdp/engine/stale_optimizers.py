@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 
 def _replaced_parameters(states: list["UnitState"]) -> dict[int, str]:
-    """id(original or meta parameter) -> its name, for every trainable one sharding replaced."""
+    """id(original or meta parameter) -> its name, quoted, for every trainable one
+    sharding replaced (and every plain one the user assigned after sharding)."""
     names: dict[int, str] = {}
     for state in states:
         meta_of = {id(real): meta for real, meta in state.meta_originals.items()}
@@ -37,11 +38,11 @@ def _replaced_parameters(states: list["UnitState"]) -> dict[int, str]:
             if not group.trainable:
                 continue
             for slot in group.slots:
-                name = f"{state.path}.{slot.fqn}" if state.path else slot.fqn
+                name = f"'{state.path}.{slot.fqn}'" if state.path else f"'{slot.fqn}'"
                 names[id(slot.param)] = name
                 if id(slot.param) in meta_of:
                     names[id(meta_of[id(slot.param)])] = name
-        names.update({key: f"{name}' (a plain tensor assigned after fully_shard: its value was taken into the "
+        names.update({key: f"'{name}' (a plain tensor assigned after fully_shard: its value was taken into the "
                            "sharded parameter; assign a DTensor placed like it to keep your object, or build the "
                            "optimizer after the first forward)"
                       for key, (_, name) in state.orphaned.items()})
@@ -69,8 +70,7 @@ def check_no_stale_optimizer(states: list["UnitState"]) -> None:
     if found is None:
         return
     kind, count, first = found
-    first = first if first.endswith(")") else f"{first}'"
     raise ValueError(
-        f"optimizer {kind} holds {count} of the parameters that fully_shard replaced (first: '{first}); it "
+        f"optimizer {kind} holds {count} of the parameters that fully_shard replaced (first: {first}); it "
         "would step nothing, every step. Build the optimizer after sharding, on model.parameters(), or bind "
         "it before the first forward: fully_shard(model, optimizer, ...) or fully_shard_optimizer(optimizer, model)")
