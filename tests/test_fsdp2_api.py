@@ -336,6 +336,9 @@ def _scenarios(rank, world):
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     out["reduce_scatter_unused_params"] = _max_param_diff(model, ref)
+    model.head.bias.requires_grad_(False)  # frozen after sharding: no zero gradient is made up for it
+    model(_local(_batches(1)[0]), skip_block=rank).pow(2).mean().backward()
+    out["unused_params_skip_frozen"] = model.head.bias.grad is None and model.head.weight.grad is not None
 
     # FSDP2's allocation and communicator hints are accepted and change no
     # value; custom collectives are refused, naming the unit.
@@ -429,6 +432,10 @@ def test_replaced_parameters_are_sharded_or_refused_naming_them(results):
     assert "(17,)" in message and "(16,)" in message, message
     stale = results[0]["replaced_stale_optimizer"]
     assert "'norm.weight' (a plain tensor assigned after fully_shard" in stale, stale
+
+
+def test_unused_params_leave_frozen_parameters_without_gradient(results):
+    assert all(r["unused_params_skip_frozen"] for r in results)
 
 
 def test_custom_collectives_are_refused_naming_the_unit(results):

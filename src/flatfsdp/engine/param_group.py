@@ -405,8 +405,8 @@ class ParamGroup:
         for i, _ in pairs:
             self._used[i] = True
             self.params[i].grad = None
-        if include_unused:
-            self._used = [True] * len(self.params)
+        if include_unused:  # a parameter frozen since sharding stays without a gradient (as in FSDP2)
+            self._used = [used or p.requires_grad for used, p in zip(self._used, self.params)]
         return True
 
     def _grad_destinations(self, buffer: FlatBuffer) -> list:
