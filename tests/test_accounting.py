@@ -101,7 +101,7 @@ def _reductions_left_worker(rank, world):
 
     import torch
 
-    from flatfsdp.engine.coalesce import ReduceRequest
+    from flatfsdp.engine.comm.coalesce import ReduceRequest
 
     gc.collect()
     gc.disable()

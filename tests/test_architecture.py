@@ -1,81 +1,270 @@
-"""The layers of docs/architecture.md, enforced on the source: the engine imports
-nothing from the applications around it, each engine module only imports
-modules of its own layer or below, the pure layout layer knows no torch, and
-applications reach the engine through the public ``flatfsdp`` API only.
+"""The layers of docs/architecture.md, enforced on the source.
 
-Every import counts, including those inside functions."""
+The engine is five sub-packages stacked bottom-up (layout, comm, groups,
+runtime, front); a module imports only its own package or packages below, and
+inside the engine only modules of its own layer or below. The engine imports
+no application; applications reach the engine through ``flatfsdp`` or
+``flatfsdp.engine`` only. No two files of ``src/flatfsdp`` import each other
+round a circle, and no file grows past 400 lines.
+
+Every import counts: those inside functions and under ``TYPE_CHECKING`` too.
+Each rule is a function over a source tree, so the tests can also plant a
+violation in a copy of the tree and see it caught.
+"""
 
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "flatfsdp"
-ENGINE = SRC / "engine"
 
 # Bottom-up; keep in step with docs/architecture.md.
+PACKAGES = {"layout": 1, "comm": 2, "groups": 3, "runtime": 4, "front": 5}
 LAYERS = {
-    "layout": 0, "strategy": 0, "training_state": 0, "comm_account": 0, "unit_controls": 0,
-    "device": 1, "precision": 1, "buffer": 1, "views": 1, "mesh": 1, "host_memory": 1, "placement": 1,
-    "structures": 1, "watchdog": 1, "fsdp2_args": 1, "offload": 1,
-    "exchange": 2, "collectives": 2, "fingerprint": 2,
-    "gather": 3, "coalesce": 3, "reduction_queue": 3, "outer_shard": 3,
-    "param_group": 4,
-    "root_context": 5, "unit_state": 5, "fsdp_module": 5, "meta_init": 5, "tied_params": 5, "state_dict": 5,
-    "unit_classes": 5, "stale_optimizers": 5, "conversion": 5,
-    "replaced_params": 5,
-    "shard_unit": 6, "optimizer": 6, "memory": 6, "finite_check": 6,
-    "api": 7, "__init__": 8,
+    "layout.arithmetic": 0, "layout.strategy": 0,
+    "layout.device": 1, "layout.precision": 1, "layout.buffer": 1, "layout.views": 1, "layout.mesh": 1,
+    "layout.placement": 1, "layout.offload": 1,
+    "comm.comm_account": 0, "comm.watchdog": 1,
+    "comm.exchange": 2, "comm.collectives": 2, "comm.fingerprint": 2,
+    "comm.gather": 3, "comm.coalesce": 3, "comm.reduction_queue": 3, "comm.outer_shard": 3,
+    "groups.slots": 4, "groups.buffers": 4, "groups.gradients": 4, "groups.param_group": 4,
+    "runtime.training_state": 0, "runtime.unit_controls": 0, "runtime.structures": 1, "runtime.host_memory": 1,
+    "runtime.root_context": 5, "runtime.unit_state": 5, "runtime.fsdp_module": 5, "runtime.meta_init": 5,
+    "runtime.tied_params": 5, "runtime.state_dict": 5, "runtime.stale_optimizers": 5, "runtime.conversion": 5,
+    "runtime.replaced_params": 5,
+    "front.fsdp2_args": 6, "front.unit_classes": 6, "front.shard_unit": 6, "front.optimizer": 6,
+    "front.memory": 6, "front.finite_check": 6,
+    "front.api": 7,
+    "__init__": 8,
 }
+MAX_LINES = 400
+# flatfsdp/__init__ re-exports the engine's API and, as the one documented
+# exception, load_pretrained: an application built on that API, offered at the
+# top level because users look for it there. Nothing in flatfsdp.pretrained
+# imports flatfsdp itself, so the exception closes no circle.
+PACKAGE_INIT_MAY_IMPORT = {"flatfsdp.engine", "flatfsdp.pretrained"}
 
 
-def _imports(path: Path) -> list[str]:
-    """Every module ``path`` imports (absolute names), at any depth of the file."""
-    names = []
+# --- reading a tree ---------------------------------------------------------
+
+def modules_of(root: Path) -> dict[str, Path]:
+    """Dotted name (``flatfsdp.engine.comm.gather``; a package by its own name) -> file."""
+    found = {}
+    for path in root.rglob("*.py"):
+        parts = (root.name, *path.relative_to(root).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules ``path`` imports, at any depth of the file."""
+    names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
+            candidates = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            # "from a.b import c": a.b.c names the submodule c, or a symbol of a.b.
-            names += [f"{node.module}.{alias.name}" for alias in node.names]
+            # "from a.b import c" imports the submodule a.b.c if there is one, else a symbol of a.b.
+            candidates = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in candidates:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                names.add(name)
     return names
 
 
-def _engine_module(name: str) -> str | None:
-    parts = name.split(".")
-    if parts[:2] == ["flatfsdp", "engine"]:
-        return parts[2] if len(parts) > 2 else "__init__"
-    return None
+def import_graph(root: Path) -> dict[str, set[str]]:
+    known = modules_of(root)
+    return {name: imports_of(path, known) - {name} for name, path in known.items()}
 
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected sets of two or more modules (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _engine_name(module: str) -> str | None:
+    """``flatfsdp.engine.comm.gather`` -> ``comm.gather``; the engine package -> ``__init__``."""
+    if module == "flatfsdp.engine":
+        return "__init__"
+    return module.removeprefix("flatfsdp.engine.") if module.startswith("flatfsdp.engine.") else None
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that runs up a layer, into an application, or past the public API."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        source = _engine_name(module)
+        for target in sorted(targets):
+            dest = _engine_name(target)
+            if source is None:
+                if module != "flatfsdp" and dest is not None and dest != "__init__":
+                    found.append(f"{module} imports {target}: applications use `flatfsdp` or "
+                                 f"`flatfsdp.engine` (the public API)")
+                continue
+            if dest is None:
+                found.append(f"engine module {module} imports {target}: the engine must not depend on the "
+                             f"applications")
+                continue
+            src_pkg, dst_pkg = source.split(".")[0], dest.split(".")[0]
+            if src_pkg in PACKAGES and dst_pkg in PACKAGES and PACKAGES[dst_pkg] > PACKAGES[src_pkg]:
+                found.append(f"{module} (package {src_pkg}) imports {target} (package {dst_pkg}): "
+                             f"a lower package cannot see a higher one")
+            elif source in LAYERS and dest in LAYERS and LAYERS[dest] > LAYERS[source]:
+                found.append(f"{module} (layer {LAYERS[source]}) imports {target} (layer {LAYERS[dest]}): "
+                             f"a lower layer cannot see a higher one")
+    return found
+
+
+def package_init_imports(root: Path) -> set[str]:
+    return import_graph(root)[root.name]
+
+
+def oversized_files(root: Path) -> list[str]:
+    return [f"{path.relative_to(root)}: {n} lines" for path in sorted(root.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+
+
+# --- the rules on the real tree ---------------------------------------------
 
 def test_every_engine_module_has_a_layer():
-    modules = {p.stem for p in ENGINE.glob("*.py")}
+    engine = {_engine_name(m) for m in modules_of(SRC) if _engine_name(m) is not None}
+    modules = {m for m in engine if "." in m or m == "__init__"}
     assert modules == set(LAYERS), f"place these in LAYERS and docs/architecture.md: {sorted(modules ^ set(LAYERS))}"
+    assert engine - modules == set(PACKAGES), "every engine sub-package has a place in PACKAGES"
 
 
-@pytest.mark.parametrize("module", sorted(LAYERS))
-def test_engine_imports_only_its_own_layer_or_below(module):
-    for name in _imports(ENGINE / f"{module}.py"):
-        if name == "flatfsdp" or (name.startswith("flatfsdp.") and _engine_module(name) is None):
-            pytest.fail(f"engine module {module} imports {name}: the engine must not depend on the applications")
-        target = _engine_module(name)
-        if target is None or target not in LAYERS:  # torch, stdlib, or a symbol imported from engine/__init__
-            continue
-        assert LAYERS[target] <= LAYERS[module], f"{module} (layer {LAYERS[module]}) imports {target} " \
-                                                 f"(layer {LAYERS[target]}): a lower layer cannot see a higher one"
+def test_module_layers_agree_with_package_order():
+    """A module's layer never puts it below a package it sits above, or the other way round."""
+    by_package = {}
+    for module, layer in LAYERS.items():
+        if "." in module:
+            by_package.setdefault(module.split(".")[0], []).append(layer)
+    ordered = sorted(by_package, key=PACKAGES.get)
+    for lower, upper in zip(ordered, ordered[1:]):
+        assert max(by_package[lower]) <= max(by_package[upper]), (lower, upper)
 
 
-def test_the_layout_layer_is_pure_arithmetic():
-    for name in _imports(ENGINE / "layout.py"):
-        assert name.split(".")[0] in {"__future__", "math", "dataclasses"}, name
+def test_no_import_circle_anywhere_in_flatfsdp():
+    assert circles(import_graph(SRC)) == []
 
 
-APPLICATIONS = sorted(p for p in SRC.rglob("*.py") if ENGINE not in p.parents and p != SRC / "__init__.py")
+def test_every_import_respects_the_layers():
+    assert layering_violations(import_graph(SRC)) == []
 
 
-@pytest.mark.parametrize("path", APPLICATIONS, ids=lambda p: str(p.relative_to(SRC)))
-def test_applications_use_the_public_api_only(path):
-    for name in _imports(path):
-        assert _engine_module(name) is None, f"{path.relative_to(SRC)} imports {name}: use `flatfsdp` (the public API)"
+def test_the_package_init_imports_the_api_and_the_one_documented_exception():
+    assert package_init_imports(SRC) == PACKAGE_INIT_MAY_IMPORT
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_each_sub_package_opens_with_what_lives_there_and_what_it_may_import(package):
+    init = SRC / "engine" / package / "__init__.py"
+    tree = ast.parse(init.read_text())
+    doc = ast.get_docstring(tree)
+    assert doc and "May import" in doc, f"{init}: say what lives here and what it may import"
+    assert len(tree.body) == 1, f"{init}: a sub-package's __init__ is its description only (re-exports hide layers)"
+
+
+def test_no_source_file_is_over_the_line_limit():
+    assert oversized_files(SRC) == []
+
+
+def test_the_layout_arithmetic_is_pure():
+    path = SRC / "engine" / "layout" / "arithmetic.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            assert all(n.split(".")[0] in {"__future__", "math", "dataclasses"} for n in names), names
+
+
+def test_public_names_still_import():
+    import flatfsdp
+    import flatfsdp.bench.__main__  # noqa: F401  (python -m flatfsdp.bench)
+    from flatfsdp.cli import main  # noqa: F401  (the flatfsdp command)
+
+    missing = [name for name in flatfsdp.__all__ if not hasattr(flatfsdp, name)]
+    assert missing == []
+    assert {"fully_shard", "FSDPModule", "load_pretrained"} <= set(flatfsdp.__all__)
+
+
+# --- the rules catch what they are for --------------------------------------
+
+@pytest.fixture
+def tree_copy(tmp_path):
+    root = tmp_path / "flatfsdp"
+    shutil.copytree(SRC, root, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def _plant(root: Path, relative: str, line: str) -> None:
+    path = root / relative
+    path.write_text(path.read_text() + f"\n\ndef _planted():\n    {line}\n")
+
+
+def test_a_planted_circle_is_found(tree_copy):
+    assert circles(import_graph(tree_copy)) == []
+    _plant(tree_copy, "engine/runtime/root_context.py", "from flatfsdp.engine.runtime.unit_state import UnitState")
+    assert circles(import_graph(tree_copy)) == [["flatfsdp.engine.runtime.root_context",
+                                                  "flatfsdp.engine.runtime.unit_state"]]
+
+
+@pytest.mark.parametrize("relative, line, expected", [
+    ("engine/layout/views.py", "from flatfsdp.engine.comm.collectives import all_gather_into",
+     "(package layout) imports flatfsdp.engine.comm.collectives (package comm)"),
+    ("engine/groups/slots.py", "import flatfsdp.engine.runtime.unit_state",
+     "(package groups) imports flatfsdp.engine.runtime.unit_state (package runtime)"),
+    ("engine/comm/comm_account.py", "from flatfsdp.engine.comm.gather import GatherPlan",
+     "(layer 0) imports flatfsdp.engine.comm.gather (layer 3)"),
+    ("engine/runtime/state_dict.py", "from flatfsdp.checkpoint import save",
+     "the engine must not depend on the applications"),
+    ("bench/__main__.py", "from flatfsdp.engine.groups.param_group import ParamGroup",
+     "applications use `flatfsdp` or `flatfsdp.engine`"),
+])
+def test_a_planted_upward_import_is_found(tree_copy, relative, line, expected):
+    assert layering_violations(import_graph(tree_copy)) == []
+    _plant(tree_copy, relative, line)
+    found = layering_violations(import_graph(tree_copy))
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_a_planted_application_import_in_the_package_init_is_found(tree_copy):
+    _plant(tree_copy, "__init__.py", "from flatfsdp.train import run")
+    assert package_init_imports(tree_copy) - PACKAGE_INIT_MAY_IMPORT == {"flatfsdp.train"}
+
+
+def test_a_planted_long_file_is_found(tree_copy):
+    _plant(tree_copy, "engine/layout/strategy.py", "pass\n" * MAX_LINES)
+    assert [entry.split(":")[0] for entry in oversized_files(tree_copy)] == ["engine/layout/strategy.py"]

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from flatfsdp.engine import views
-from flatfsdp.engine.layout import ALIGN, build_group_layout, shard_dim_for
-from flatfsdp.engine.strategy import ShardingStrategy
+from flatfsdp.engine.layout import views
+from flatfsdp.engine.layout.arithmetic import ALIGN, build_group_layout, shard_dim_for
+from flatfsdp.engine.layout.strategy import ShardingStrategy
 
 
 def _random_shapes(rng: random.Random) -> list[tuple[int, ...]]:

@@ -94,14 +94,14 @@ def _train(model, ref, opt, *, dp_index: int, dp_ways: int, steps: int = 3, micr
 def _group_bytes(model, kind: str) -> list[tuple]:
     """(shard numel, element bytes of the reduce dtype, sharded) of every
     trainable param group: the terms of the byte formulas."""
-    from flatfsdp.engine.unit_state import unit_states
+    from flatfsdp.engine.runtime.unit_state import unit_states
 
     out = []
     for state in unit_states(model):
         for group in state.groups:
             if group.trainable:
-                pieces = group.outer_shard.numel if group.outer_shard is not None else None
-                out.append((group.layout.shard_numel, group.grads.data.element_size(), group.placement.sharded,
+                pieces = group.buffers.outer_shard.numel if group.buffers.outer_shard is not None else None
+                out.append((group.layout.shard_numel, group.buffers.grads.data.element_size(), group.placement.sharded,
                             group.layout.unsharded_numel, pieces))
     return out
 

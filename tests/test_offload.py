@@ -1,4 +1,4 @@
-"""CPU offload (FSDP2's ``CPUOffloadPolicy``, engine/offload.py).
+"""CPU offload (FSDP2's ``CPUOffloadPolicy``, engine/layout/offload.py).
 
 No accelerator here, so the offloaded layout is built on CPU (the engine is
 handed a ``HostOffload`` where a CPU mesh would get none): main weights and
@@ -81,7 +81,7 @@ def _worker(rank, world):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     import flatfsdp
-    from flatfsdp.engine.offload import HostOffload
+    from flatfsdp.engine.layout.offload import HostOffload
 
     # Collectives as on an accelerator (one native collective per bucket, its
     # output handed to c10d), not gloo's pairwise exchanges: what the watch
@@ -128,23 +128,26 @@ def _worker(rank, world):
 
 
 def _host_storages(model) -> set[int]:
-    from flatfsdp.engine.unit_state import unit_states
+    from flatfsdp.engine.runtime.unit_state import unit_states
 
-    return _storages([t for state in unit_states(model) for g in state.groups for t in (g.main, g.main_grad)])
+    groups = [g for state in unit_states(model) for g in state.groups]
+    return _storages([t for g in groups for t in (g.buffers.main, g.buffers.main_grad)])
 
 
 def _layout_is_separate(model) -> bool:
     """What the optimizer reads and writes (the sharded DTensors, their grads,
     the main buffers) shares no memory with what the module computes with."""
-    from flatfsdp.engine.unit_state import unit_states
+    from flatfsdp.engine.runtime.unit_state import unit_states
 
     for state in unit_states(model):
         for group in state.groups:
-            host = _storages([group.main, group.main_grad] + [p.to_local() for p in group.sharded_params])
-            device = _storages([group.unsharded.data, group.model_local, group.grads.data if group.grads else None])
+            buffers = group.buffers
+            host = _storages([buffers.main, buffers.main_grad] + [p.to_local() for p in group.sharded_params])
+            device = _storages([buffers.unsharded.data, buffers.model_local,
+                                buffers.grads.data if buffers.grads else None])
             if host & device or group.offload is None:
                 return False
-            if any(_storages([p.to_local()]) - _storages([group.main]) for p in group.sharded_params):
+            if any(_storages([p.to_local()]) - _storages([buffers.main]) for p in group.sharded_params):
                 return False
     return True
 
@@ -166,7 +169,7 @@ def test_offloaded_training_equals_the_unsharded_reference(results, strategy, dt
 def test_cpu_mesh_gets_no_offload():
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    from flatfsdp.engine.offload import HostOffload
+    from flatfsdp.engine.layout.offload import HostOffload
 
     assert HostOffload.for_mesh(CPUOffloadPolicy(), "cpu") is None
     assert HostOffload.for_mesh(OffloadPolicy(), "cuda") is None

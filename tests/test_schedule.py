@@ -118,7 +118,7 @@ def robustness(rank, world):
         at_rest.add(flatfsdp.allocated_buffer_bytes(model))
         rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     gathered = [m for m in model.modules() if isinstance(m, flatfsdp.FSDPModule) and m._flatfsdp_state._swapped_in]
-    grad_share = sum(g.main_grad.numel() * 4 for m in model.modules() if isinstance(m, flatfsdp.FSDPModule)
+    grad_share = sum(g.buffers.main_grad.numel() * 4 for m in model.modules() if isinstance(m, flatfsdp.FSDPModule)
                      for g in m._flatfsdp_state.groups if g.trainable)
     return {"worst": worst, "at_rest": at_rest, "persistent": flatfsdp.persistent_buffer_bytes(model),
             "grad_share": grad_share,

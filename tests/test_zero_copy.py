@@ -51,11 +51,11 @@ def zero_copy_worker(rank, world, strategy):
 
     def look(module, args):
         weight = module.big.weight
-        buffer = group.unsharded.data
+        buffer = group.buffers.unsharded.data
         start = buffer.data_ptr()
         end = start + buffer.numel() * buffer.element_size()
         seen["views_buffer"] = start <= weight.data_ptr() < end
-        seen["landing"] = [v.data_ptr() for v in group.gather_plan.landing[big_index]]
+        seen["landing"] = [v.data_ptr() for v in group.buffers.gather_plan.landing[big_index]]
         seen["rows"] = [weight[r * (512 // world)].data_ptr() for r in range(world)]
 
     unit.register_forward_pre_hook(look)  # after the unit's own hook has gathered it

@@ -28,7 +28,7 @@ _C10D = {
     "allreduce_coalesced_": ("all_reduce", 0),
     "broadcast_": ("broadcast", 0),
     # Point-to-point: bytes this rank sends / receives (flatfsdp's gloo
-    # exchanges are built from these; see flatfsdp/engine/exchange.py).
+    # exchanges are built from these; see flatfsdp/engine/comm/exchange.py).
     "send": ("send", 0),
     "recv_": ("recv", 0),
 }

@@ -5,19 +5,19 @@ Imports nothing from the applications around it (``flatfsdp.train``,
 enforces the layers drawn in docs/architecture.md.
 """
 
-from flatfsdp.engine.api import fully_shard, fully_shard_model
-from flatfsdp.engine.comm_account import CommAccount, comm_account
-from flatfsdp.engine.finite_check import (NonFiniteError, NonFiniteReport, check_finite, local_nonfinite,
-                                          nonfinite_report)
-from flatfsdp.engine.fingerprint import ReplicaMismatch, verify_replicas
-from flatfsdp.engine.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from flatfsdp.engine.memory import (allocated_buffer_bytes, held_tensors, persistent_buffer_bytes,
-                                   persistent_bytes_by_role, resizable_buffers)
-from flatfsdp.engine.meta_init import mark_initialized, reset_parameters
-from flatfsdp.engine.optimizer import fully_shard_optimizer
-from flatfsdp.engine.precision import MixedPrecisionPolicy
-from flatfsdp.engine.strategy import ShardingStrategy
-from flatfsdp.engine.watchdog import TIMEOUT_ENV, CollectiveTimeout
+from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
+from flatfsdp.engine.layout.strategy import ShardingStrategy
+from flatfsdp.engine.comm.comm_account import CommAccount, comm_account
+from flatfsdp.engine.comm.fingerprint import ReplicaMismatch, verify_replicas
+from flatfsdp.engine.comm.watchdog import TIMEOUT_ENV, CollectiveTimeout
+from flatfsdp.engine.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from flatfsdp.engine.runtime.meta_init import mark_initialized, reset_parameters
+from flatfsdp.engine.front.api import fully_shard, fully_shard_model
+from flatfsdp.engine.front.finite_check import (NonFiniteError, NonFiniteReport, check_finite, local_nonfinite,
+                                                nonfinite_report)
+from flatfsdp.engine.front.memory import (allocated_buffer_bytes, held_tensors, persistent_buffer_bytes,
+                                          persistent_bytes_by_role, resizable_buffers)
+from flatfsdp.engine.front.optimizer import fully_shard_optimizer
 
 __all__ = [
     "CommAccount", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",

@@ -24,7 +24,7 @@ from itertools import groupby
 
 import torch
 
-import flatfsdp
+from flatfsdp.engine import mark_initialized
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.pretrained.files import checkpoint_entries
 from flatfsdp.pretrained.names import model_targets, plan
@@ -84,7 +84,7 @@ def load_pretrained(model: torch.nn.Module, path, *, strict: bool = True) -> Loa
                               "on a real device")
     with torch.no_grad():
         figures = _copy_all(matched.sources, entries)
-    flatfsdp.mark_initialized(model)
+    mark_initialized(model)
     return LoadReport(tensors=len(matched.sources), rewrite=matched.rewrite, unexpected=tuple(matched.unexpected),
                       **figures)
 

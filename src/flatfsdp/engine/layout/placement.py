@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from flatfsdp.engine.layout import ParamLayout
-from flatfsdp.engine.mesh import DataParallelMesh, combined_mesh
-from flatfsdp.engine.strategy import ShardingStrategy
+from flatfsdp.engine.layout.arithmetic import ParamLayout
+from flatfsdp.engine.layout.mesh import DataParallelMesh, combined_mesh
+from flatfsdp.engine.layout.strategy import ShardingStrategy
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flatfsdp.engine import collectives
-from flatfsdp.engine.layout import ALIGN, GroupLayout, ParamLayout
+from flatfsdp.engine.comm import collectives
+from flatfsdp.engine.layout.arithmetic import ALIGN, GroupLayout, ParamLayout
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flatfsdp.engine.param_group import ParamGroup
-from flatfsdp.engine.views import same_start
+from flatfsdp.engine.groups.param_group import ParamGroup
+from flatfsdp.engine.layout.views import same_start
 
 
 def adopt_converted(state, module: nn.Module) -> None:
@@ -34,17 +34,17 @@ def _adopt(group: ParamGroup, state, module: nn.Module) -> ParamGroup:
         converted.append(value)
     locals_ = [v.to_local() if isinstance(v, DTensor) else v for v in converted]
     unchanged = all(v is s for v, s in zip(converted, group.sharded_params))
-    if unchanged and all(same_start(t, group.main_chunk(i)) for i, t in enumerate(locals_)
+    if unchanged and all(same_start(t, group.buffers.main_chunk(i)) for i, t in enumerate(locals_)
                          if t.numel()):
         return group  # nothing converted (e.g. .to() to what it already was)
     dtype, device = locals_[0].dtype, locals_[0].device
-    if dtype == group.main.dtype and device == group.main.device:
+    if dtype == group.buffers.main.dtype and device == group.buffers.main.device:
         target = group
     else:
         target = _rebuilt(group, state, dtype, device)
     with torch.no_grad():
         for index, local in enumerate(locals_):
-            chunk = target.main_chunk(index)
+            chunk = target.buffers.main_chunk(index)
             if local.shape != chunk.shape:
                 raise RuntimeError(f"converting '{target.slots[index].fqn}' changed its shard shape "
                                    f"{tuple(chunk.shape)} -> {tuple(local.shape)}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flatfsdp.engine.unit_state import unit_states
+from flatfsdp.engine.runtime.unit_state import unit_states
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = None,
@@ -79,7 +79,7 @@ def _model_parameters(model: nn.Module) -> tuple[dict, dict]:
 def _install_hooks(optimizer: torch.optim.Optimizer, groups: list) -> None:
     def before_step(*_):
         for group in groups:
-            group.complete_reduction()
+            group.gradients.complete()
 
     def after_step(*_):
         for group in groups:

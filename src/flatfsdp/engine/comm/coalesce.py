@@ -22,11 +22,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from flatfsdp.engine import collectives
-from flatfsdp.engine.collectives import Pending
-from flatfsdp.engine.device import SideStream
-from flatfsdp.engine.gather import GatherPlan
-from flatfsdp.engine.gather import gather as gather_group
+from flatfsdp.engine.comm import collectives
+from flatfsdp.engine.comm.collectives import Pending
+from flatfsdp.engine.layout.device import SideStream
+from flatfsdp.engine.comm.gather import GatherPlan
+from flatfsdp.engine.comm.gather import gather as gather_group
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 """Collectives on buffers under 4 MiB are coalesced: on gloo here a 4 MiB

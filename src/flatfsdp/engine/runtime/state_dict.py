@@ -75,7 +75,7 @@ def _placed_like(value: torch.Tensor, sharded: DTensor, group, index: int) -> to
         chunk = distribute_tensor(value.detach().to(sharded.device), sharded.device_mesh, sharded.placements,
                                   src_data_rank=None).to_local()
     else:
-        chunk = group.own_chunk_of(value.detach(), index)
+        chunk = group.buffers.own_chunk_of(value.detach(), index)
     chunk = chunk.to(device=sharded.device, dtype=sharded.dtype)
     return DTensor.from_local(chunk, sharded.device_mesh, sharded.placements, run_check=False,
                               shape=sharded.shape, stride=sharded.stride())

@@ -20,15 +20,10 @@ confirmed after a ``gc.collect()``.
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from flatfsdp.engine.unit_state import UnitState
 
-
-def _replaced_parameters(states: list["UnitState"]) -> dict[int, str]:
+def _replaced_parameters(states: list) -> dict[int, str]:
     """id(original or meta parameter) -> its name, quoted, for every trainable one
     sharding replaced (and every plain one the user assigned after sharding)."""
     names: dict[int, str] = {}
@@ -60,8 +55,9 @@ def _holder(replaced: dict[int, str]) -> tuple[str, int, str] | None:
     return None
 
 
-def check_no_stale_optimizer(states: list["UnitState"]) -> None:
-    """Raise if a live optimizer holds parameters that sharding replaced."""
+def check_no_stale_optimizer(states: list) -> None:
+    """Raise if a live optimizer holds parameters that sharding replaced.
+    ``states``: the units' runtime states (``unit_state.UnitState``, which calls this)."""
     replaced = _replaced_parameters(states)
     if not replaced or _holder(replaced) is None:
         return

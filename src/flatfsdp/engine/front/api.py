@@ -9,16 +9,16 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatfsdp.engine.fsdp2_args import check_fsdp2_mesh, check_offload_policy, fsdp2_reshard_after_forward
-from flatfsdp.engine.offload import HostOffload
-from flatfsdp.engine.layout import check_block
-from flatfsdp.engine.mesh import check_device, check_hybrid_group, expert_dp_mesh, resolve_dp_mesh
-from flatfsdp.engine.optimizer import fully_shard_optimizer
-from flatfsdp.engine.precision import resolve_policy
-from flatfsdp.engine.shard_unit import shard_unit
-from flatfsdp.engine.strategy import ShardingStrategy
-from flatfsdp.engine.tied_params import params_used_outside
-from flatfsdp.engine.unit_classes import resolve_unit_classes
+from flatfsdp.engine.front.fsdp2_args import check_fsdp2_mesh, check_offload_policy, fsdp2_reshard_after_forward
+from flatfsdp.engine.layout.offload import HostOffload
+from flatfsdp.engine.layout.arithmetic import check_block
+from flatfsdp.engine.layout.mesh import check_device, check_hybrid_group, expert_dp_mesh, resolve_dp_mesh
+from flatfsdp.engine.front.optimizer import fully_shard_optimizer
+from flatfsdp.engine.layout.precision import resolve_policy
+from flatfsdp.engine.front.shard_unit import shard_unit
+from flatfsdp.engine.layout.strategy import ShardingStrategy
+from flatfsdp.engine.runtime.tied_params import params_used_outside
+from flatfsdp.engine.front.unit_classes import resolve_unit_classes
 
 # Megatron-FSDP keywords accepted for drop-in compatibility that change nothing
 # here: overlap is always on, state dicts are always DCP-ready, and the NCCL

@@ -17,10 +17,10 @@ from collections import deque
 
 from torch.autograd.profiler import record_function
 
-from flatfsdp.engine import coalesce
-from flatfsdp.engine.coalesce import ReduceRequest
-from flatfsdp.engine.collectives import Pending
-from flatfsdp.engine.device import SideStream
+from flatfsdp.engine.comm import coalesce
+from flatfsdp.engine.comm.coalesce import ReduceRequest
+from flatfsdp.engine.comm.collectives import Pending
+from flatfsdp.engine.layout.device import SideStream
 
 
 class ReductionQueue:

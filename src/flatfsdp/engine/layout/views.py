@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flatfsdp.engine.layout import GroupLayout, ParamLayout
+from flatfsdp.engine.layout.arithmetic import GroupLayout, ParamLayout
 
 
 def same_start(a: torch.Tensor, b: torch.Tensor) -> bool:

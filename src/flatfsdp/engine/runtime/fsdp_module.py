@@ -15,8 +15,8 @@ from torch import nn
 
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from flatfsdp.engine.conversion import adopt_converted
-from flatfsdp.engine.unit_state import UnitState
+from flatfsdp.engine.runtime.conversion import adopt_converted
+from flatfsdp.engine.runtime.unit_state import UnitState
 
 _CLASS_CACHE: dict[type, type] = {}
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flatfsdp.engine.unit_state import unit_states
+from flatfsdp.engine.runtime.unit_state import unit_states
 
 MAX_NAMES = 5
 """Parameters named in a report: the first few in model order say where it started."""
@@ -71,7 +71,7 @@ def _local_grads(model: nn.Module) -> list[torch.Tensor]:
         for group in state.groups:
             managed.update(id(p) for p in group.sharded_params)
             if group.trainable and any(p.grad is not None for p in group.sharded_params):
-                tensors.append(group.main_grad)
+                tensors.append(group.buffers.main_grad)
     for p in model.parameters():
         if id(p) not in managed and p.grad is not None:
             tensors.append(_local(p.grad))
@@ -87,7 +87,7 @@ def local_nonfinite(model: nn.Module, loss: torch.Tensor | None = None) -> torch
     its share of the gradients holds NaN/inf, else 0.0. No communication."""
     for state in unit_states(model):  # reductions left in flight (sync_model_each_microbatch=False) land first
         for group in state.groups:
-            group.complete_reduction()
+            group.gradients.complete()
     values = [t.sum().float() for t in _local_grads(model)]
     if loss is not None:
         values.append(loss.detach().sum().float().to(values[0].device if values else loss.device))

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from flatfsdp.engine.comm_account import comm_account
-from flatfsdp.engine.device import SideStream, wait_event
-from flatfsdp.engine.exchange import exchange_all_gather, exchange_reduce_scatter, post_messages
-from flatfsdp.engine.views import same_start
-from flatfsdp.engine.watchdog import wait_works
+from flatfsdp.engine.comm.comm_account import comm_account
+from flatfsdp.engine.layout.device import SideStream, wait_event
+from flatfsdp.engine.comm.exchange import exchange_all_gather, exchange_reduce_scatter, post_messages
+from flatfsdp.engine.layout.views import same_start
+from flatfsdp.engine.comm.watchdog import wait_works
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flatfsdp.engine import views
+from flatfsdp.engine.layout import views
 
 
 def derived_seed(seed: int, module_name: str) -> int:
@@ -129,7 +129,8 @@ def initialize_pending(state) -> None:
     state.pending_init = []
     temps, saved = [], []
     for group in state.groups:
-        temp = torch.empty(group.layout.unsharded_numel, dtype=group.main.dtype, device=group.main.device)
+        main = group.buffers.main
+        temp = torch.empty(group.layout.unsharded_numel, dtype=main.dtype, device=main.device)
         saved.append([param.data for param in group.params])  # views of the (maybe freed) model buffer
         for p, param in zip(group.layout.params, group.params):
             param.data = views.unsharded_param(temp, p)
@@ -141,7 +142,8 @@ def initialize_pending(state) -> None:
         for group, temp, old in zip(state.groups, temps, saved):
             for index, (p, param) in enumerate(zip(group.layout.params, group.params)):
                 if id(param) in was_meta:
-                    group.main_chunk(index).copy_(group.own_chunk_of(views.unsharded_param(temp, p), index))
+                    buffers = group.buffers
+                    buffers.main_chunk(index).copy_(buffers.own_chunk_of(views.unsharded_param(temp, p), index))
                 param.data = old[index]
             group.use_sharded_params()
             group.note_weights_written()

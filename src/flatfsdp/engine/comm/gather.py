@@ -20,10 +20,11 @@ import functools
 import torch
 import torch.distributed as dist
 
-from flatfsdp.engine import collectives, views
-from flatfsdp.engine.collectives import Pending
-from flatfsdp.engine.device import SideStream
-from flatfsdp.engine.layout import GroupLayout
+from flatfsdp.engine.comm import collectives
+from flatfsdp.engine.layout import views
+from flatfsdp.engine.comm.collectives import Pending
+from flatfsdp.engine.layout.device import SideStream
+from flatfsdp.engine.layout.arithmetic import GroupLayout
 
 
 class GatherPlan:

@@ -11,20 +11,21 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from flatfsdp.engine.coalesce import DEFAULT_BUCKET_BYTES
-from flatfsdp.engine.fingerprint import check_ranks_agree, describe
-from flatfsdp.engine.fsdp_module import FSDPModule, become_fsdp_module
-from flatfsdp.engine.layout import shard_dim_for
-from flatfsdp.engine.mesh import DataParallelMesh, mesh_device
-from flatfsdp.engine.meta_init import materialize_meta
-from flatfsdp.engine.param_group import ParamGroup, ParamSlot
-from flatfsdp.engine.placement import GroupPlacement, TensorParallelSpec
-from flatfsdp.engine.precision import MixedPrecisionPolicy
-from flatfsdp.engine.state_dict import install_state_dict_hooks
-from flatfsdp.engine.strategy import ShardingStrategy
-from flatfsdp.engine.offload import HostOffload
-from flatfsdp.engine.tied_params import already_managed
-from flatfsdp.engine.unit_state import UnitState
+from flatfsdp.engine.comm.coalesce import DEFAULT_BUCKET_BYTES
+from flatfsdp.engine.comm.fingerprint import check_ranks_agree, describe
+from flatfsdp.engine.runtime.fsdp_module import FSDPModule, become_fsdp_module
+from flatfsdp.engine.layout.arithmetic import shard_dim_for
+from flatfsdp.engine.layout.mesh import DataParallelMesh, mesh_device
+from flatfsdp.engine.runtime.meta_init import materialize_meta
+from flatfsdp.engine.groups.param_group import ParamGroup
+from flatfsdp.engine.groups.slots import ParamSlot
+from flatfsdp.engine.layout.placement import GroupPlacement, TensorParallelSpec
+from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
+from flatfsdp.engine.runtime.state_dict import install_state_dict_hooks
+from flatfsdp.engine.layout.strategy import ShardingStrategy
+from flatfsdp.engine.layout.offload import HostOffload
+from flatfsdp.engine.runtime.tied_params import already_managed
+from flatfsdp.engine.runtime.unit_state import UnitState
 
 
 def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, strategy: ShardingStrategy,

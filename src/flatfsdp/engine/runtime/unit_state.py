@@ -18,14 +18,14 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from flatfsdp.engine import coalesce
-from flatfsdp.engine.coalesce import DEFAULT_BUCKET_BYTES
-from flatfsdp.engine.param_group import ParamGroup
-from flatfsdp.engine.precision import MixedPrecisionPolicy
-from flatfsdp.engine.root_context import RootContext
-from flatfsdp.engine.structures import map_tensors, replace_tensors, tensors_in
-from flatfsdp.engine.unit_controls import UnitControls
-from flatfsdp.engine.training_state import TrainingState
+from flatfsdp.engine.comm import coalesce
+from flatfsdp.engine.comm.coalesce import DEFAULT_BUCKET_BYTES
+from flatfsdp.engine.groups.param_group import ParamGroup
+from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
+from flatfsdp.engine.runtime.root_context import RootContext
+from flatfsdp.engine.runtime.structures import map_tensors, replace_tensors, tensors_in
+from flatfsdp.engine.runtime.unit_controls import UnitControls
+from flatfsdp.engine.runtime.training_state import TrainingState
 
 
 class UnitState:
@@ -112,7 +112,7 @@ class UnitState:
         initialisation (see meta_init) for the parameters still awaiting it."""
         self.adopt_replaced_params()
         if self.pending_init:
-            from flatfsdp.engine.meta_init import initialize_pending
+            from flatfsdp.engine.runtime.meta_init import initialize_pending
             initialize_pending(self)
 
     def note_init_baseline(self) -> None:
@@ -129,7 +129,7 @@ class UnitState:
     def adopt_replaced_params(self) -> None:
         """Once, at the unit's first use: take the parameters the user replaced since sharding."""
         if not self._first_use_seen:
-            from flatfsdp.engine.replaced_params import adopt_replaced_params
+            from flatfsdp.engine.runtime.replaced_params import adopt_replaced_params
             self.user_valued |= adopt_replaced_params(self)
             self._first_use_seen = True
 
@@ -162,7 +162,7 @@ class UnitState:
 
     @property
     def gathered_bytes(self) -> int:
-        return sum(g.gathered_bytes for g in self.groups)
+        return sum(g.buffers.gathered_bytes for g in self.groups)
 
     # ---- forward hooks ------------------------------------------------------------------
 
@@ -257,13 +257,14 @@ class UnitState:
         with record_function(self.label("post_backward")):
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
-                group.accumulate_grads(self.controls.reduce_scatter_unused_params)
+                group.gradients.accumulate(self.controls.reduce_scatter_unused_params)
             if self.requires_grad_sync:
                 for group in self.groups:
-                    request = group.reduction_request(self.average_grads, self.controls.gradient_divide_factor,
-                                                      self.controls.all_reduce_hook,
-                                                      all_reduce=self.controls.requires_all_reduce,
-                                                      defer_to_step=not self.sync_each_microbatch)
+                    controls = self.controls
+                    request = group.gradients.reduction_request(self.average_grads, controls.gradient_divide_factor,
+                                                                controls.all_reduce_hook,
+                                                                all_reduce=controls.requires_all_reduce,
+                                                                defer_to_step=not self.sync_each_microbatch)
                     if request is not None:
                         request.unit = self.path or "<root>"
                         self.context.submit_reduction(request)
@@ -275,9 +276,9 @@ class UnitState:
     def _lazy_init(self) -> RootContext:
         if self.context is not None:
             return self.context
-        from flatfsdp.engine.tied_params import check_params_stay_in_units
+        from flatfsdp.engine.runtime.tied_params import check_params_stay_in_units
 
-        from flatfsdp.engine.stale_optimizers import check_no_stale_optimizer
+        from flatfsdp.engine.runtime.stale_optimizers import check_no_stale_optimizer
 
         states = unit_states(*self.modules)
         for state in states:
@@ -297,13 +298,15 @@ class UnitState:
 def unit_states(*modules: nn.Module) -> list[UnitState]:
     """The runtime of every sharded unit in these modules' trees (themselves
     included), each once (a grouped unit is reached through each of its modules)."""
-    from flatfsdp.engine.fsdp_module import FSDPModule
-
     found: dict[int, UnitState] = {}
     for module in modules:
         for m in module.modules():
-            if isinstance(m, FSDPModule):
-                found.setdefault(id(m._flatfsdp_state), m._flatfsdp_state)
+            # Set by fsdp_module.become_fsdp_module on every sharded module (and
+            # only there); read from the instance dict, so a plain module costs
+            # no attribute-lookup miss.
+            state = m.__dict__.get("_flatfsdp_state")
+            if state is not None:
+                found.setdefault(id(state), state)
     return list(found.values())
 
 

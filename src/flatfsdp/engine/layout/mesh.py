@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from flatfsdp.engine.device import default_device_type
+from flatfsdp.engine.layout.device import default_device_type
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from flatfsdp.engine.views import same_start
+from flatfsdp.engine.layout.views import same_start
 
 _TAG_SPACE = 1 << 20
 _tags: dict[int, itertools.count] = {}

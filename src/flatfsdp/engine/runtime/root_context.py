@@ -7,27 +7,46 @@ lazily on that first forward, when the whole tree is known.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from flatfsdp.engine.coalesce import ReduceRequest
-from flatfsdp.engine.device import SideStream
-from flatfsdp.engine.host_memory import release_free_host_memory
-from flatfsdp.engine.reduction_queue import ReductionQueue
-from flatfsdp.engine.training_state import TrainingState
+from flatfsdp.engine.comm.coalesce import ReduceRequest
+from flatfsdp.engine.layout.device import SideStream
+from flatfsdp.engine.runtime.host_memory import release_free_host_memory
+from flatfsdp.engine.comm.reduction_queue import ReductionQueue
+from flatfsdp.engine.runtime.training_state import TrainingState
+from flatfsdp.engine.runtime.unit_controls import UnitControls
 
-if TYPE_CHECKING:
-    from flatfsdp.engine.unit_state import UnitState
+
+class ScheduledUnit(Protocol):
+    """A unit as the root's schedule sees it. ``unit_state.UnitState`` is the
+    one implementation; the protocol keeps this file below it (units hold
+    their root context, so naming the class here would be an import circle)."""
+
+    groups: list
+    controls: UnitControls
+    training_state: TrainingState
+    sync_each_microbatch: bool
+    prefetch_bytes: int | None
+    bucket_bytes: int
+    gathered_bytes: int
+    _forwarded: set
+
+    def needs_post_backward(self) -> bool: ...
+    def post_backward(self) -> None: ...
+    def finish_forward(self, context: "RootContext") -> None: ...
+    def reshard(self) -> None: ...
 
 MAX_REDUCTIONS_IN_FLIGHT = 2
 """Each in-flight reduction holds an unsharded gradient buffer; two let one
 reduce while the next unit's backward fills another, and bound the memory."""
 
+
 class RootContext:
-    def __init__(self, root: "UnitState", states: list["UnitState"]):
+    def __init__(self, root: "ScheduledUnit", states: list["ScheduledUnit"]):
         self.root = root
         self.states = states
         self.in_backward = False
@@ -44,8 +63,8 @@ class RootContext:
                                          stream=SideStream(device))
         # Units in the order their forwards ran: this step's (for backward
         # prefetch) and the last complete step's (for forward prefetch).
-        self._order: list["UnitState"] = []
-        self._last_order: list["UnitState"] = []
+        self._order: list["ScheduledUnit"] = []
+        self._last_order: list["ScheduledUnit"] = []
 
     # ---- reductions in flight ----------------------------------------------------------
 
@@ -83,7 +102,7 @@ class RootContext:
         bound optimizer steps: its step waits for them (see optimizer.py), so
         they may land while the host moves on. Otherwise an optimizer the engine
         does not know could step before they land: wait now."""
-        return all(len(g.bound_optimizers) for s in self.states for g in s.groups if g.reduction_in_flight)
+        return all(len(g.bound_optimizers) for s in self.states for g in s.groups if g.gradients.in_flight)
 
     def after_root_forward(self) -> None:
         """The root's forward returned: grouped units some of whose modules did
@@ -112,23 +131,23 @@ class RootContext:
             self._last_order, self._order = self._order, []
         for state in self.states:
             for group in state.groups:
-                group.release_consumed_grads()
+                group.gradients.release_consumed()
         if self._on_host:
             release_free_host_memory()
 
     # ---- execution order -----------------------------------------------------------------
 
-    def record_forward(self, state: "UnitState") -> None:
+    def record_forward(self, state: "ScheduledUnit") -> None:
         if state not in self._order:
             self._order.append(state)
 
-    def next_in_forward(self, state: "UnitState") -> list["UnitState"]:
+    def next_in_forward(self, state: "ScheduledUnit") -> list["ScheduledUnit"]:
         return _ahead(self._last_order, state, +1, self.prefetch_bytes)
 
-    def is_last_in_forward(self, state: "UnitState") -> bool:
+    def is_last_in_forward(self, state: "ScheduledUnit") -> bool:
         return bool(self._last_order) and self._last_order[-1] is state
 
-    def previous_in_forward(self, state: "UnitState") -> list["UnitState"]:
+    def previous_in_forward(self, state: "ScheduledUnit") -> list["ScheduledUnit"]:
         return _ahead(self._order, state, -1, self.prefetch_bytes)
 
     def reshard_all(self) -> None:
@@ -136,7 +155,7 @@ class RootContext:
             state.reshard()
 
 
-def _device_of(states: list["UnitState"]) -> torch.device:
+def _device_of(states: list["ScheduledUnit"]) -> torch.device:
     for state in states:
         for group in state.groups:
             return group.compute_device  # not main.device: offloaded main weights live on the host

@@ -1,0 +1,209 @@
+"""The flat buffers of one param group, which of them are one tensor, and
+what they hold on this rank.
+
+Buffers per group (N = W x S elements, S = each rank's chunk slots; see
+layout.arithmetic):
+
+====================  ==========  ===========  ============  =================
+buffer                replicated  optim        optim_grads   optim_grads_params
+====================  ==========  ===========  ============  =================
+model weights         N kept      N kept       N kept        S kept, N transient
+main weights (fp32)   N           S            S             S
+grad accumulation     N kept      N kept       N transient   N transient
+main grads (fp32)     N           S            S             S
+====================  ==========  ===========  ============  =================
+
+Where two buffers hold the same dtype and range they are one tensor: fp32
+training keeps no separate main copy (ZeRO-1/2 main weights are this rank's
+chunks *inside* the kept model-weight buffer), and a kept gradient buffer's
+own row doubles as the main grads. HFSDP's main weights and grads are this
+rank's piece of its chunks (see comm.outer_shard); offloaded ones live in
+host memory and never alias what the device computes with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flatfsdp.engine.comm.gather import GatherPlan
+from flatfsdp.engine.comm.outer_shard import OuterShard
+from flatfsdp.engine.layout import views
+from flatfsdp.engine.layout.arithmetic import GroupLayout
+from flatfsdp.engine.layout.buffer import FlatBuffer
+from flatfsdp.engine.layout.offload import HostOffload, staged_on_device
+from flatfsdp.engine.layout.placement import GroupPlacement
+
+
+class GroupBuffers:
+    """A group's buffers, allocated once for its lifetime (the transient ones
+    are ``FlatBuffer``s whose storage comes and goes; the tensors stay)."""
+
+    def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
+                 compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 trainable: bool, offload: HostOffload | None):
+        self.layout, self.placement, self.index = layout, placement, index
+        self.pg = placement.mesh.get_group()
+        outer = placement.dp.outer
+        self.outer_pg = outer.get_group() if outer is not None and outer.size() > 1 else None
+        """HSDP: the replicas of this rank's chunks, across which reduced
+        gradients are all-reduced (None: no replicas)."""
+        self.compute_device, self.offload = device, offload
+        self.reduce_dtype = reduce_dtype
+        self.outer_shard = OuterShard(layout, self.outer_pg, index) if placement.hybrid else None
+        """HFSDP: the main weights and grads are this rank's piece of its chunks;
+        None: they are the chunks themselves."""
+        self._allocate_weights(device, compute_dtype, main_dtype)
+        self.grads = self.main_grad = self.main_grad_buffer = self.scratch_grad = None
+        self.grads_aliased = False
+        if trainable:
+            self._allocate_grads(device, main_dtype)
+        self.gather_plan = None
+        if placement.sharded:
+            source = self.unsharded.data if placement.keep_model_weights else self.model_local
+            self.gather_plan = GatherPlan(layout, index, self.unsharded.data, source,
+                                          source_in_unsharded=placement.keep_model_weights)
+
+    @property
+    def main_numel(self) -> int:
+        return self.layout.shard_numel if self.outer_shard is None else self.outer_shard.numel
+
+    def _host_or_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.offload is not None:
+            return self.offload.empty(numel, dtype, device)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _allocate_weights(self, device: torch.device, compute_dtype: torch.dtype, main_dtype: torch.dtype) -> None:
+        place, shard = self.placement, self.layout.shard_numel
+        # Offloaded main weights never share memory with what the device computes with.
+        same = main_dtype == compute_dtype and self.offload is None
+        self.unsharded = FlatBuffer(self.layout.unsharded_numel, compute_dtype, device, name="model weights")
+        self.model_local: torch.Tensor | None = None
+        if self.outer_shard is not None:
+            # The main weights are a piece of the chunks: never the same tensor.
+            self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
+            self.main = self._host_or_device(self.main_numel, main_dtype, device)
+        elif not place.keep_model_weights:
+            self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
+            self.main = self.model_local if same else self._host_or_device(shard, main_dtype, device)
+        else:
+            self.main = self.unsharded.data if same else self._host_or_device(shard, main_dtype, device)
+        # Replicated, S == N and the local layout is the unsharded one.
+        self.main_in_unsharded = place.keep_model_weights and same
+
+    def _allocate_grads(self, device: torch.device, main_dtype: torch.dtype) -> None:
+        place, shard, full = self.placement, self.layout.shard_numel, self.layout.unsharded_numel
+        self.grads = FlatBuffer(full, self.reduce_dtype, device, allocated=place.keep_grad_buffer, name="gradients")
+        # A kept buffer's own row doubles as the main grads in one dtype.
+        self.grads_aliased = (place.keep_grad_buffer and self.reduce_dtype == main_dtype
+                              and self.outer_shard is None and self.offload is None)
+        if self.grads_aliased:
+            self.main_grad = self.grads.data[self.index * shard:(self.index + 1) * shard]
+        elif self.offload is not None:
+            # Host memory is what offload spends instead: kept, not released between steps.
+            self.main_grad = self._host_or_device(self.main_numel, main_dtype, device).zero_()
+        else:
+            # Its own buffer: released between steps once the optimizer has
+            # dropped the grads (see GroupGradients.release_consumed).
+            self.main_grad_buffer = FlatBuffer(self.main_numel, main_dtype, device, name="main grads")
+            self.main_grad = self.main_grad_buffer.data.zero_()
+        self.scratch_grad = FlatBuffer(full, self.reduce_dtype, device, allocated=False, name="scratch")
+
+    # ---- one parameter's part -----------------------------------------------------------
+
+    def main_chunk(self, index: int) -> torch.Tensor:
+        """This rank's chunk of parameter ``index`` in the main weights."""
+        p = self.layout.params[index]
+        if self.main_in_unsharded:
+            return views.unsharded_chunk(self.main, p, self.index)
+        return self.main_view(self.main, index)
+
+    def main_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s part of a main-weights-shaped buffer (main weights or main grads)."""
+        if self.outer_shard is not None:
+            return self.outer_shard.piece_view(flat, index)
+        return views.local_chunk(flat, self.layout.params[index], self.index)
+
+    def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's chunk (HFSDP: piece) of a full-size value of parameter ``index``."""
+        if self.outer_shard is not None:
+            return self.outer_shard.piece_of(full, index, self.index)
+        return views.chunk_of(full, self.layout.params[index], self.index)
+
+    def in_place_collective(self, tensor: torch.Tensor, collective) -> None:
+        """``collective(tensor)``, in place; an offloaded host tensor goes through the device."""
+        if self.offload is None:
+            collective(tensor)
+        else:
+            staged_on_device(tensor, self.compute_device, collective)
+
+    # ---- accounting ---------------------------------------------------------------------
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.unsharded.numel * self.unsharded.data.element_size()
+
+    def persistent_bytes(self) -> int:
+        """Bytes this rank holds in these buffers at the optimizer step: kept
+        weights, main weights and main grads -- the rank's theoretical share.
+        (ZeRO-2/3 main grads are released between steps once the optimizer
+        has dropped them; they count here at their full size.)"""
+        return sum(self.persistent_bytes_by_role().values())
+
+    def persistent_bytes_by_role(self) -> dict[str, int]:
+        """``persistent_bytes`` split by what the bytes are for: "main weights"
+        (what the optimizer updates; when the model computes in the same dtype
+        the model views these very bytes), "model weights" (a separate copy in
+        the compute dtype), "gradients". A storage serving two roles counts
+        once, under the first."""
+        model = [self.model_local] if self.model_local is not None else []
+        if self.placement.keep_model_weights:
+            model.append(self.unsharded.data)
+        grads: list[torch.Tensor] = []
+        released = 0
+        if self.main_grad is not None:
+            if self.main_grad_buffer is not None and not self.main_grad_buffer.is_allocated:
+                released = self.main_grad.numel() * self.main_grad.element_size()
+            else:
+                grads.append(self.main_grad)
+            if self.placement.keep_grad_buffer:
+                grads.append(self.grads.data)
+        seen: dict[int, torch.UntypedStorage] = {}
+        main_bytes = _distinct_storage_bytes([self.main], seen)
+        model_bytes = _distinct_storage_bytes(model, seen)
+        return {"main weights": main_bytes, "model weights": model_bytes,
+                "gradients": _distinct_storage_bytes(grads, seen) + released}
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor held between steps (some may alias)."""
+        held = [self.main] + ([self.model_local] if self.model_local is not None else [])
+        return held + ([self.main_grad] if self.main_grad is not None else []) + self.flat_buffers()
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The flat tensors whose storage is freed and re-allocated in place
+        (gathered weights, unsharded gradients, scratch, released main grads):
+        a memory meter must re-read their size, no op announces it."""
+        buffers = [self.unsharded, self.grads, self.main_grad_buffer, self.scratch_grad]
+        return [b.data for b in buffers if b is not None]
+
+    def allocated_bytes(self) -> int:
+        """Bytes these buffers hold right now, transient ones included."""
+        tensors = [self.unsharded.data, self.main]
+        if self.model_local is not None:
+            tensors.append(self.model_local)
+        if self.main_grad is not None:
+            tensors += [self.grads.data, self.main_grad, self.scratch_grad.data]
+        return _distinct_storage_bytes(tensors)
+
+
+def _distinct_storage_bytes(tensors: list[torch.Tensor], seen: dict | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (aliases count once;
+    so do storages already in ``seen``, which this adds to). Storages are told
+    apart by identity, not address: fake tensors (the estimator's) have none."""
+    seen = {} if seen is None else seen
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and id(storage) not in seen:
+            seen[id(storage)] = storage  # kept alive, so its id is not reused meanwhile
+            total += storage.nbytes()
+    return total

@@ -1,0 +1,269 @@
+"""A param group's gradient path: autograd's gradients on the unsharded
+parameters -> the rank-major accumulation buffer -> a reduction (issued by
+the caller, perhaps coalesced) -> this rank's main grads -> the ``.grad``
+DTensors the optimizer reads.
+
+Holds only what it needs from its group (the buffers and the parameter
+lists, shared and kept current by the group), never the group itself: a
+group and its gradients in a reference cycle would keep a replaced group's
+buffers alive until Python's cycle collector ran.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flatfsdp.engine.comm import collectives
+from flatfsdp.engine.comm.coalesce import ReduceRequest
+from flatfsdp.engine.groups.buffers import GroupBuffers
+from flatfsdp.engine.groups.slots import ParamSlot, local_grad
+from flatfsdp.engine.layout import views
+from flatfsdp.engine.layout.buffer import FlatBuffer
+
+
+class GroupGradients:
+    def __init__(self, buffers: GroupBuffers, slots: list[ParamSlot], params: list[nn.Parameter],
+                 sharded_params: list[nn.Parameter], grad_dtensors: list[DTensor],
+                 bound_optimizers: weakref.WeakSet):
+        """``params`` and ``sharded_params`` are the group's own lists (it
+        updates them in place); ``grad_dtensors[i]`` views parameter i's part
+        of the main grads, placed as its sharded parameter."""
+        self.buffers, self.slots, self.params = buffers, slots, params
+        self.sharded_params, self.grad_dtensors = sharded_params, grad_dtensors
+        self.bound_optimizers = bound_optimizers
+        self.delivered = 0
+        """Reductions delivered so far (an unbound optimizer may have stepped after each)."""
+        self._accum: FlatBuffer | None = None
+        self._inflight: ReduceRequest | None = None
+        self._inner_partial: torch.Tensor | None = None
+        """HFSDP, reductions deferred: inner-reduced gradient chunks still to be
+        reduce-scattered across the outer dimension."""
+        self._pending_divisor = 1.0
+        self._outer_due = False
+        """The main grads hold sums over the shard mesh only: the all-reduce
+        across replicas is still to come (HSDP with reductions deferred)."""
+        self._used = [False] * len(params)
+        self._destinations: dict[int, list] = {}
+        self._zero_plans: dict[int, tuple] = {}
+
+    @property
+    def trainable(self) -> bool:
+        return self.buffers.main_grad is not None
+
+    # ---- accumulation -------------------------------------------------------------------
+
+    def accumulate(self, include_unused: bool = False) -> bool:
+        """Move the gradients autograd left on the unsharded parameters into the
+        rank-major accumulation buffer. Returns whether there were any.
+
+        ``include_unused`` (FSDP2's ``set_reduce_scatter_unused_params``): a
+        parameter without a gradient on this rank counts as a zero gradient,
+        so every parameter of the group gets its reduced ``.grad`` on every
+        rank -- needed when ranks use different parameters (routing), where
+        otherwise only the ranks that used one would step their chunk of it."""
+        if not self.trainable:
+            return False
+        pairs = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        if not pairs and not include_unused:
+            return False
+        fresh = self._accum is None
+        if fresh:
+            self.wait()
+            self._accum = self._pick_accumulation_buffer()
+            self._accum.alloc()
+        destinations = self._grad_destinations(self._accum)
+        layout = self.buffers.layout
+        dst, src = [], []
+        for i, grad in pairs:
+            dst += destinations[i]
+            src += views.grad_sources(local_grad(grad, self.slots[i].tp), layout.params[i])
+        with torch.no_grad():
+            if fresh:
+                self._zero_unwritten(self._accum, {i for i, _ in pairs})
+            if dst:
+                (torch._foreach_copy_ if fresh else torch._foreach_add_)(dst, src)
+        for i, _ in pairs:
+            self._used[i] = True
+            self.params[i].grad = None
+        if include_unused:  # a parameter frozen since sharding stays without a gradient (as in FSDP2)
+            self._used = [used or p.requires_grad for used, p in zip(self._used, self.params)]
+        return True
+
+    def _grad_destinations(self, buffer: FlatBuffer) -> list:
+        key = id(buffer)
+        if key not in self._destinations:
+            layout = self.buffers.layout
+            self._destinations[key] = [views.grad_destinations(buffer.data, layout, p) for p in layout.params]
+        return self._destinations[key]
+
+    def _zero_unwritten(self, buffer: FlatBuffer, written: set[int]) -> None:
+        """Zero alignment gaps, padding and the slots of parameters that got no gradient."""
+        key = id(buffer)
+        if key not in self._zero_plans:
+            flat, layout = buffer.data, self.buffers.layout
+            slots = [views.unsharded_param(flat, p) if p.shard_dim is None
+                     else views.wire_slots(views.wire_table(flat, layout), p) for p in layout.params]
+            pads = [views.grad_padding(flat, layout, p) for p in layout.params]
+            self._zero_plans[key] = (views.gaps(flat, layout, layout.world), slots, pads)
+        gaps, slots, pads = self._zero_plans[key]
+        zero = list(gaps)
+        for i in range(len(self.params)):
+            zero += pads[i] if i in written else [slots[i]]
+        if zero:
+            torch._foreach_zero_(zero)
+
+    def _pick_accumulation_buffer(self) -> FlatBuffer:
+        # While the optimizer still holds grads in a buffer that doubles as the
+        # accumulation buffer, a new microbatch accumulates aside.
+        if self.buffers.grads_aliased and self.has_data():
+            return self.buffers.scratch_grad
+        return self.buffers.grads
+
+    def has_data(self) -> bool:
+        """Whether the optimizer still holds (has not dropped) any delivered grad."""
+        return any(sp.grad is not None for sp in self.sharded_params)
+
+    # ---- reduction ----------------------------------------------------------------------
+
+    def reduction_request(self, average: bool, divide_factor: float | None = None, hook=None, *,
+                          all_reduce: bool = True, defer_to_step: bool = False) -> ReduceRequest | None:
+        """Hand over the accumulated local gradients for reduction into the main
+        grads (summing into what the optimizer has not consumed yet, as autograd
+        would). The request is issued by the caller, perhaps coalesced.
+
+        With replicas (HSDP) the reduced chunks are then all-reduced across
+        them -- unless ``all_reduce`` is False (FSDP2's
+        ``set_requires_all_reduce``), or ``defer_to_step`` and a bound optimizer
+        will ask for it before stepping (``complete``): outer traffic once per
+        optimizer step, however many microbatches."""
+        if self._accum is None:
+            return None
+        b = self.buffers
+        accum, has_data = self._accum, self.has_data()
+        self._accum = None
+        if not has_data:
+            self._outer_due = False  # what was pending was dropped with the grads
+        if b.main_grad_buffer is not None:
+            b.main_grad_buffer.alloc()  # no-op unless released since the last step
+        if divide_factor is not None:
+            divisor = float(divide_factor)
+        else:
+            divisor = float(b.placement.dp.average_over) if average else 1.0
+        if not b.placement.sharded:
+            request = ReduceRequest("all_reduce", accum.data, accum.data, b.pg)
+        else:
+            direct = (not has_data and b.main_grad.dtype == b.reduce_dtype and b.outer_shard is None
+                      and b.offload is None)
+            result = b.main_grad if direct else torch.empty(
+                b.layout.shard_numel, dtype=b.reduce_dtype, device=b.compute_device)
+            request = ReduceRequest("reduce_scatter", accum.data, result, b.pg)
+        outer_now = b.outer_pg is not None and all_reduce and not (defer_to_step and len(self.bound_optimizers))
+        if outer_now and not self._outer_due and b.outer_shard is None:
+            # Only this backward's sums lack the replicas': the request
+            # all-reduces just them (coalesced with the rest of its bucket).
+            request.outer = b.outer_pg
+        # The callback names the output, not the request: a request holding a
+        # closure over itself is a reference cycle, and its output (a fresh
+        # shard-sized buffer for HFSDP and bf16 reductions) would then live
+        # until Python's cycle collector ran, not until delivered.
+        output = request.output
+        request.then.append(lambda: self._finish(accum, output, has_data, divisor, outer_now))
+        if hook is not None:
+            request.then.append(lambda: hook(b.main_grad))
+        self._inflight = request
+        return request
+
+    def complete(self) -> None:
+        """Wait for the reduction in flight and do any all-reduce across
+        replicas still owed: the main grads are then final."""
+        self.wait()
+        if self._inner_partial is not None:
+            self._deliver(self._outer_reduce(), self.has_data(), self._pending_divisor)
+        if self._outer_due:
+            self._outer_due = False
+            self._all_reduce_over_replicas()
+
+    def _all_reduce_over_replicas(self) -> None:
+        b = self.buffers
+        b.in_place_collective(b.main_grad, lambda t: collectives.all_reduce(t, b.outer_pg).wait())
+
+    def release_consumed(self) -> None:
+        """Free the sharded main grads once the optimizer has set every grad to
+        None (``zero_grad()``): nothing reads them until the next reduction,
+        which re-allocates and overwrites them. Between steps a ZeRO-2/3 rank
+        then holds no gradient memory at all, as with autograd's own grads --
+        it is the forward's activations that grads would otherwise sit beside."""
+        if (self.buffers.main_grad_buffer is not None and self._inflight is None and self._accum is None
+                and not self.has_data()):
+            self.buffers.main_grad_buffer.free()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def wait(self) -> None:
+        if self._inflight is not None:
+            self._inflight.wait()
+
+    def _finish(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, divisor: float,
+                outer_now: bool) -> None:
+        self._inflight = None
+        if self.buffers.outer_shard is None:
+            self._deliver(result, has_data, divisor, outer_now)
+        else:
+            # HFSDP: sum inner-reduced chunks until the outer reduce-scatter is due.
+            if self._inner_partial is None:
+                self._inner_partial = result
+            else:
+                self._inner_partial.add_(result)
+            self._pending_divisor = divisor
+            if outer_now:
+                self._deliver(self._outer_reduce(), self.has_data(), divisor)
+        # After delivery: a replicated group's result is the accumulation buffer itself.
+        if accum is self.buffers.scratch_grad or not self.buffers.placement.keep_grad_buffer:
+            accum.free()
+
+    def _outer_reduce(self) -> torch.Tensor:
+        """HFSDP: reduce-scatter the summed chunks across the outer dimension;
+        returns this rank's piece (not yet divided)."""
+        partial, self._inner_partial = self._inner_partial, None
+        outer_shard = self.buffers.outer_shard
+        piece = torch.empty(outer_shard.numel, dtype=partial.dtype, device=partial.device)
+        outer_shard.reduce_scatter(partial, piece)
+        return piece
+
+    def _deliver(self, result: torch.Tensor, has_data: bool, divisor: float, outer_now: bool = True) -> None:
+        """Reduced gradients into the main grads (summing into unconsumed ones),
+        then hand the optimizer its ``.grad`` views."""
+        b = self.buffers
+        if b.main_grad_buffer is not None:
+            b.main_grad_buffer.alloc()
+        if b.offload is not None:
+            result = result.to(b.main_grad.device)  # device -> host, once per reduction
+        with torch.no_grad():
+            if has_data:
+                for index, grad in enumerate(self.sharded_params):
+                    if grad.grad is None:
+                        b.main_view(b.main_grad, index).zero_()
+                b.main_grad.add_(result, alpha=1.0 / divisor)
+            elif views.same_start(result, b.main_grad):
+                if divisor != 1.0:  # divided, not multiplied by the inverse, as FSDP2 does
+                    b.main_grad.div_(divisor)
+            elif divisor != 1.0:
+                torch.div(result, divisor, out=b.main_grad)
+            else:
+                b.main_grad.copy_(result)
+        if b.outer_pg is not None and b.outer_shard is None:
+            if outer_now and self._outer_due:
+                # Earlier backwards' sums are in the main grads too: all-reduce the lot, once.
+                self._all_reduce_over_replicas()
+            self._outer_due = not outer_now
+        for i, sp in enumerate(self.sharded_params):
+            if self._used[i]:
+                sp.grad = self.grad_dtensors[i]
+            self._used[i] = False
+        self.delivered += 1
