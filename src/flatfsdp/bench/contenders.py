@@ -20,7 +20,7 @@ from flatfsdp.bench.floor import FloorTrainer
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.theory import STRATEGY_STAGE
 from flatfsdp.bench.workload import build_optimizer
-from flatfsdp.models.gpt import TransformerBlock, lm_loss
+from flatfsdp.models.gpt import TransformerBlock
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Trainer:
 
 def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer):
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(model(x), y)
+        loss = model(x, targets=y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

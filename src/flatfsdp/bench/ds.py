@@ -20,7 +20,6 @@ import sys
 import torch
 from torch import nn
 
-from flatfsdp.models.gpt import lm_loss
 
 
 def unavailable_reason() -> str | None:
@@ -59,7 +58,7 @@ class DeepSpeedTrainer:
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(self.engine(x), y)
+        loss = self.engine(x, targets=y)
         self.engine.backward(loss)
         self.engine.step()  # includes zero_grad
         return loss.detach()

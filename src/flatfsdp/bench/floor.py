@@ -15,7 +15,6 @@ import copy
 import torch
 from torch import nn
 
-from flatfsdp.models.gpt import lm_loss
 
 
 class FloorTrainer:
@@ -34,7 +33,7 @@ class FloorTrainer:
         self.optimizer = make_optimizer(self.mains)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(self.compute(x), y)
+        loss = self.compute(x, targets=y)
         loss.backward()
         if self.mixed:
             for main, comp in zip(self.mains, self.compute_params):

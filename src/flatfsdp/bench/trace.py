@@ -19,13 +19,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from flatfsdp.bench.options import PRESETS, BenchConfig
 from flatfsdp.bench.workload import build_model, build_optimizer, device, make_batches
-from flatfsdp.models.gpt import TransformerBlock, lm_loss
+from flatfsdp.models.gpt import TransformerBlock
 
 WAITS = ("flatfsdp::wait_unshard", "flatfsdp::wait_reductions")
 
 
 def _step(model, optimizer, x, y) -> None:
-    lm_loss(model(x), y).backward()
+    model(x, targets=y).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

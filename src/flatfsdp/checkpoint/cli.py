@@ -56,8 +56,10 @@ def _export(args) -> None:
     if args.format == "hf":
         counts = export_hf(args.directory, args.output, config=args.config, prefix=prefix,
                            max_shard_bytes=args.max_shard_mib << 20, budget_bytes=args.budget_mib << 20)
+        adapters = (f"; LoRA adapters merged into the weights, and also written alone ({counts['adapters']} "
+                    f"tensors) as a PEFT folder: {args.output}/adapter" if counts.get("adapters") else "")
         print(f"wrote {counts['tensors']} tensors ({counts['bytes']:,} bytes) in {counts['files']} safetensors "
-              f"file(s) and config.json to {args.output}")
+              f"file(s) and config.json to {args.output}{adapters}")
         return
     counts = export_checkpoint(args.directory, args.output, prefix=prefix, budget_bytes=args.budget_mib << 20)
     objects = f" and {counts['objects']} non-tensor entries" if counts["objects"] else ""

@@ -21,6 +21,7 @@ import uuid
 
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import DEFAULT_BUDGET, _load_batch, _select, _write_safetensors
+from flatfsdp.checkpoint.lora_export import LORA_CONFIG_ENTRY, export_lora_hf
 from flatfsdp.checkpoint.save_load import open_checkpoint
 
 CONFIG_ENTRY = "hf_config"
@@ -73,13 +74,17 @@ def export_hf(directory, out_dir, *, config=None, prefix: str = "model.", max_sh
     """Write checkpoint ``directory``'s entries under ``prefix`` (named without it)
     as a Hugging Face model directory ``out_dir``, which must not exist or be
     empty. ``config``: a config.json (or a directory holding one) to use instead
-    of the checkpoint's own. Returns ``{"tensors", "bytes", "files"}``."""
+    of the checkpoint's own. A LoRA checkpoint (a ``lora_config`` entry) is
+    written merged, with its adapters in ``out_dir/adapter`` (lora_export.py).
+    Returns ``{"tensors", "bytes", "files"}``."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointError(f"{out_dir} exists and is not an empty directory: will not overwrite it")
     reader = open_checkpoint(directory)
     metadata = reader.read_metadata()
     hf_config = _read_config(reader, metadata, None if config is None else os.fspath(config))
+    if LORA_CONFIG_ENTRY in metadata.state_dict_metadata:  # a LoRA run: merged model + adapter folder
+        return export_lora_hf(reader, metadata, out_dir, hf_config, prefix, TIED_OUTPUT)
     tensors = [c for c in _select(metadata, prefix) if c[2] is not None]
     if hf_config.get("tie_word_embeddings"):
         tensors = [c for c in tensors if c[1] != TIED_OUTPUT]

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from flatfsdp.models.chunked_loss import chunked_cross_entropy
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -121,7 +123,12 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                reduction: str = "mean") -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]``; with ``targets`` ``[batch, seq]``
+        instead the next-token cross entropy ("mean" or "sum" over tokens),
+        computed a chunk of tokens at a time so the logits never exist whole
+        (models/chunked_loss.py)."""
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.blocks:
@@ -129,7 +136,9 @@ class GPT(nn.Module):
                 x = block(x)
             else:
                 x = checkpoint(block, x, use_reentrant=self.config.recompute == "reentrant")
-        return self.lm_head(self.ln_f(x))
+        if targets is None:
+            return self.lm_head(self.ln_f(x))
+        return chunked_cross_entropy(self.ln_f(x), self.lm_head.weight, targets, reduction=reduction)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from itertools import groupby
+from typing import Callable
 
 import torch
 
@@ -51,7 +52,8 @@ class LoadReport:
     """Checkpoint tensors nothing in the model took (an error unless strict=False)."""
 
 
-def load_pretrained(model: torch.nn.Module, path, *, strict: bool = True) -> LoadReport:
+def load_pretrained(model: torch.nn.Module, path, *, strict: bool = True,
+                    skip: Callable[[str], bool] | None = None) -> LoadReport:
     """Fill every parameter and persistent buffer of ``model`` from the
     safetensors checkpoint at ``path`` -- a Hugging Face directory
     (``model.safetensors``, or shards with ``model.safetensors.index.json``) or
@@ -63,12 +65,16 @@ def load_pretrained(model: torch.nn.Module, path, *, strict: bool = True) -> Loa
     dtype of a sharded model). Names may differ by a prefix (see names.py).
     Tensors the model has but the checkpoint lacks, and shape differences, raise
     CheckpointError listing them; so do checkpoint tensors the model lacks,
-    unless ``strict=False``. Every rank of a sharded model calls this; no
+    unless ``strict=False``. ``skip(name)`` true: that tensor is not the
+    checkpoint's to fill (e.g. LoRA adapters, which the caller initialises
+    itself); it is left as it is. Every rank of a sharded model calls this; no
     collective is involved.
     """
     path = os.fspath(path)
     entries = checkpoint_entries(path)
     targets, unfillable = model_targets(model)
+    if skip is not None:
+        targets = [t for t in targets if not any(skip(n) for n in t.names)]
     if unfillable:
         raise CheckpointError(f"buffers {', '.join(unfillable)} are on the meta device and not saved in "
                               "checkpoints (non-persistent): build the model with them on a real device")

@@ -20,6 +20,8 @@ from torch import nn
 Rewrite = tuple[str, str]
 """(prefix stripped from model names, prefix added): checkpoint name = add + name[len(strip):]."""
 
+PEFT_WRAPPED = ".base_layer."
+"""Where PEFT keeps the original layer inside the adapter layer that replaced it."""
 _SHOWN = 8
 """Names listed per kind of problem in an error message."""
 
@@ -56,7 +58,10 @@ def model_targets(model: nn.Module) -> tuple[list[Target], list[str]]:
     the names of buffers still on the meta device that no checkpoint can fill."""
     by_id: dict[int, Target] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), Target([], param)).names.append(name)
+        names = by_id.setdefault(id(param), Target([], param)).names
+        names.append(name)
+        if PEFT_WRAPPED in name:  # a layer PEFT wrapped: the unwrapped model's checkpoint names it plainly
+            names.append(name.replace(PEFT_WRAPPED, "."))
     unfillable = []
     for module_name, module in model.named_modules(remove_duplicate=False):
         for attr, buf in module._buffers.items():

@@ -15,7 +15,7 @@ import torch
 
 from flatfsdp import checkpoint
 from flatfsdp.launch import LaunchInterrupted, launch, under_torchrun
-from flatfsdp.train import data, hf, resume
+from flatfsdp.train import data, hf, own_data, resume
 from flatfsdp.train.loop import run
 from flatfsdp.train.options import PROG, TrainOptions, UsageError, accumulation_steps, parse_options
 
@@ -33,31 +33,38 @@ def world_size(o: TrainOptions) -> int:
     return o.nproc or default_nproc()
 
 
-def expected_model_shapes(o: TrainOptions) -> dict[str, tuple]:
+def expected_model_shapes(o: TrainOptions, vocab_size: int) -> dict[str, tuple]:
     """Names and shapes of the model these flags build (on the meta device: no memory, no init)."""
     from flatfsdp.train.model import build_model
 
     meta = torch.device("meta")
     with meta:
-        built = build_model(o, meta)
+        built = build_model(o, meta, vocab_size)
     return {name: tuple(t.shape) for name, t in built.model.state_dict().items()}
 
 
-def check_before_launch(o: TrainOptions) -> int:
-    """Everything that can fail on the user's input, so no rank starts to fail; returns the world size."""
+def check_before_launch(o: TrainOptions):
+    """Everything that can fail on the user's input, so no rank starts to fail
+    (the --data text is tokenized now); returns the world size and the token files."""
     world = world_size(o)
     if not under_torchrun() and torch.accelerator.is_available() and world > torch.accelerator.device_count():
         raise UsageError(f"--nproc {world} is more than the {torch.accelerator.device_count()} accelerators here")
     accumulation_steps(o, world)
     if o.hf_model is not None:
         hf.require_transformers()
+    if o.lora_rank is not None:
+        hf.require_peft()
+    tokenizer = own_data.tokenizer_for(o) if o.data else None
     if o.hf_model:
-        hf.check_pretrained(o.hf_model)
-    if o.load:
-        resume.check_loadable(o.load, expected_model_shapes(o))
+        hf.check_pretrained(o.hf_model, tokenizer.vocab_size if tokenizer else data.VOCAB_SIZE, o.seq_length,
+                            "the tokenizer" if tokenizer else "the built-in data's byte values")
     check_paths(o)
-    check_sequence_fits(o)
-    return world
+    files = own_data.prepare(o, tokenizer, show_progress=not o.no_progress)
+    if o.load:
+        resume.check_loadable(o.load, expected_model_shapes(o, own_data.data_vocab(o, files)))
+    if files is None:
+        check_sequence_fits(o)
+    return world, files
 
 
 def check_paths(o: TrainOptions) -> None:
@@ -103,12 +110,12 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the command; returns rank 0's summary (this rank's under torchrun) when it finishes."""
     try:
         o = parse_options(argv)
-        world = check_before_launch(o)
+        world, files = check_before_launch(o)
     except UsageError as exc:
         _fail(str(exc))
     threads = 1 if torch.accelerator.is_available() else max(1, (os.cpu_count() or 2) // world)
     try:
-        summary = launch(run, world, o, threads_per_rank=threads, forward_sigint=True,
+        summary = launch(run, world, o, files, threads_per_rank=threads, forward_sigint=True,
                          collective_timeout_s=o.timeout)
     except LaunchInterrupted:
         print(f"{PROG}: interrupted before training started; nothing was saved", file=sys.stderr, flush=True)

@@ -80,3 +80,47 @@ def eval_batches(tokens: torch.Tensor, *, count: int, rank: int, world: int, mic
     rows = tokens[starts[:, None] + offsets[None, :]]
     mine = rows.view(count, world, micro_batch_size, seq_length + 1)[:, rank]
     return list(mine.unbind(0))
+
+
+class ShippedText:
+    """The default data: the shipped text as byte tokens, windows at random offsets."""
+
+    def __init__(self, seed: int, seq_length: int):
+        self.corpus, self.seed, self.seq_length = load_corpus(), seed, seq_length
+        self.vocab_size = VOCAB_SIZE
+
+    def micro_batch(self, *, step: int, micro: int, rank: int, world: int, micro_batch_size: int,
+                    accumulation: int) -> torch.Tensor:
+        return micro_batch(self.corpus.train, seed=self.seed, step=step, micro=micro, rank=rank, world=world,
+                           micro_batch_size=micro_batch_size, accumulation=accumulation, seq_length=self.seq_length)
+
+    def eval_batches(self, *, count: int, rank: int, world: int, micro_batch_size: int) -> list[torch.Tensor]:
+        return eval_batches(self.corpus.eval, count=count, rank=rank, world=world, micro_batch_size=micro_batch_size,
+                            seq_length=self.seq_length)
+
+    def describe(self) -> dict:
+        return {"data": "shipped text (bytes)", "train_tokens": self.corpus.train.numel(),
+                "eval_tokens": self.corpus.eval.numel()}
+
+
+class UserData:
+    """``--data``: the token cache's memory-mapped files cut into packed windows
+    (flatfsdp.data.packed); the held-out windows come from held-out documents."""
+
+    def __init__(self, files, seed: int, seq_length: int):
+        from flatfsdp.data.packed import PackedWindows
+
+        self.files = files
+        self.vocab_size = files.meta["vocab_size"]
+        self.train = PackedWindows(files.open("train"), seq_length, seed)
+        self.eval = PackedWindows(files.open("eval"), seq_length, seed)
+        self.micro_batch = self.train.micro_batch
+
+    def eval_batches(self, *, count: int, rank: int, world: int, micro_batch_size: int) -> list[torch.Tensor]:
+        return self.eval.eval_batches(count=count, rank=rank, world=world, micro_batch_size=micro_batch_size)
+
+    def describe(self) -> dict:
+        meta = self.files.meta
+        return {"data": meta["sources"], "token_cache": self.files.directory, "tokenizer": meta["tokenizer"],
+                "train_tokens": meta["train_tokens"], "eval_tokens": meta["eval_tokens"],
+                "train_documents": meta["train_documents"], "eval_documents": meta["eval_documents"]}

@@ -15,7 +15,6 @@ from torch import nn
 from flatfsdp.checkpoint import CheckpointError
 from flatfsdp.pretrained import hf_model_on_meta, hf_unit_classes
 from flatfsdp.pretrained.files import checkpoint_entries
-from flatfsdp.train.data import VOCAB_SIZE
 from flatfsdp.train.options import TrainOptions, UsageError
 
 LLAMA_UNIT = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
@@ -63,9 +62,19 @@ def build_pretrained(o: TrainOptions, device: torch.device) -> tuple[nn.Module, 
     return _with_recompute(model, o), hf_unit_classes(model)
 
 
-def check_pretrained(path: str) -> None:
+def require_peft() -> None:
+    try:
+        found = importlib.util.find_spec("peft") is not None
+    except ValueError:
+        found = False
+    if not found:
+        raise UsageError("--lora-rank needs the peft package: pip install 'flatfsdp[lora]'")
+
+
+def check_pretrained(path: str, vocab_needed: int, seq_length: int, what: str) -> None:
     """Before any rank starts: the directory holds a config and safetensors weights,
-    and its vocabulary takes the byte tokens of the built-in data."""
+    its embedding has a row for every id ``what`` (the tokenizer) can produce,
+    and its positions cover ``seq_length``."""
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -77,9 +86,13 @@ def check_pretrained(path: str) -> None:
     except (OSError, ValueError, CheckpointError) as exc:
         raise UsageError(f"--hf-model {path}: {' '.join(str(exc).split())}") from None
     vocab = getattr(config, "vocab_size", None)
-    if vocab is None or vocab < VOCAB_SIZE:
-        raise UsageError(f"--hf-model {path}: its vocabulary ({vocab} tokens) is smaller than the {VOCAB_SIZE} "
-                         "byte values the built-in data feeds it as token ids")
+    if vocab is None or vocab < vocab_needed:
+        raise UsageError(f"--hf-model {path}: its embedding has {vocab} rows, fewer than the {vocab_needed} token "
+                         f"ids of {what}")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and seq_length > positions:
+        raise UsageError(f"--seq-length {seq_length} is past --hf-model {path}'s {positions} positions "
+                         "(max_position_embeddings)")
 
 
 def config_json(model: nn.Module) -> str:
@@ -87,5 +100,17 @@ def config_json(model: nn.Module) -> str:
     return model.config.to_json_string(use_diff=False)
 
 
-def llama_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=tokens, use_cache=False).logits
+def loss_fn(model: nn.Module):
+    """The summed token loss of a transformers causal LM: chunked (models/hf_chunked.py)
+    unless the model transforms its logits, then from the model's own logits."""
+    from flatfsdp.models.gpt import lm_loss
+    from flatfsdp.models.hf_chunked import chunking_refused, use_chunked_loss
+
+    if chunking_refused(model):
+        return lambda m, inputs, targets: lm_loss(m(input_ids=inputs, use_cache=False).logits, targets, "sum")
+    use_chunked_loss(model)
+    return _chunked_hf_loss
+
+
+def _chunked_hf_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=inputs, labels=targets, use_cache=False).loss

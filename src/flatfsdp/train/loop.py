@@ -16,8 +16,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import flatfsdp
+from flatfsdp import checkpoint
 from flatfsdp.checkpoint import CheckpointError
-from flatfsdp.train import data, resume
+from flatfsdp.checkpoint.lora_export import LORA_CONFIG_ENTRY
+from flatfsdp.train import own_data, resume
 from flatfsdp.train.interrupt import StopRequest
 from flatfsdp.train.memory import gather_memory_mb
 from flatfsdp.train.model import build_model, shard
@@ -29,12 +31,13 @@ from flatfsdp.train.schedule import lr_at
 from flatfsdp.train.step import apply_step, eval_loss_sums, forward_backward
 
 
-def run(o: TrainOptions) -> dict:
-    """Entry point of every rank (flatfsdp.launch calls it). Problems the user
-    can fix come back as ``{"error": ...}`` for the launcher to print."""
+def run(o: TrainOptions, token_files=None) -> dict:
+    """Entry point of every rank (flatfsdp.launch calls it). ``token_files``:
+    the --data token cache the launcher prepared (None: find or make it here).
+    Problems the user can fix come back as ``{"error": ...}`` for the launcher to print."""
     try:
         with StopRequest() as stop:
-            return Trainer(o, stop).train()
+            return Trainer(o, stop, token_files).train()
     except (UsageError, CheckpointError) as exc:
         return {"error": str(exc), "rank": dist.get_rank()}
 
@@ -67,18 +70,22 @@ def resolve_run_dir(o: TrainOptions) -> str:
 
 
 class Trainer:
-    def __init__(self, o: TrainOptions, stop: StopRequest):
+    def __init__(self, o: TrainOptions, stop: StopRequest, token_files=None):
         self.o, self.stop = o, stop
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = rank_device()
         self.accumulation = accumulation_steps(o, self.world)
         self.tokens_per_step = o.micro_batch_size * self.accumulation * self.world * o.seq_length
         self.run_dir = resolve_run_dir(o)
-        self.corpus = data.load_corpus()
-        built = build_model(o, self.device)
+        if o.data and token_files is None:
+            token_files = own_data.prepare(o, show_progress=not o.no_progress)
+        self.data = own_data.open_data(o, token_files)
+        built = build_model(o, self.device, self.data.vocab_size)
         self.parameters = sum(p.numel() for p in built.model.parameters())
-        self.logits = built.logits
-        self.hf_config = built.hf_config
+        self.trainable = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
+        self.loss = built.loss
+        self.extra_entries = {k: v for k, v in ((checkpoint.HF_CONFIG_ENTRY, built.hf_config),
+                                                (LORA_CONFIG_ENTRY, built.lora_config)) if v is not None}
         self.model, self.optimizer = shard(built, o)
         self.data_flags = {"seed": o.seed, "global_batch_size": o.micro_batch_size * self.world * self.accumulation,
                            "seq_length": o.seq_length}
@@ -94,9 +101,9 @@ class Trainer:
 
     def _config(self) -> dict:
         return {**dataclasses.asdict(self.o), "world_size": self.world, "accumulation_steps": self.accumulation,
-                "device": str(self.device), "parameters": self.parameters, "resumed_from_step": self.first_step,
-                "tokens_per_step": self.tokens_per_step, "train_bytes": self.corpus.train.numel(),
-                "eval_bytes": self.corpus.eval.numel()}
+                "device": str(self.device), "parameters": self.parameters, "trainable_parameters": self.trainable,
+                "resumed_from_step": self.first_step, "tokens_per_step": self.tokens_per_step,
+                **self.data.describe()}
 
     def _maybe_resume(self) -> int:
         if not self.o.load:
@@ -164,11 +171,11 @@ class Trainer:
         o = self.o
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, o)
-        batches = [data.micro_batch(self.corpus.train, seed=o.seed, step=step, micro=m, rank=self.rank,
-                                    world=self.world, micro_batch_size=o.micro_batch_size,
-                                    accumulation=self.accumulation, seq_length=o.seq_length).to(self.device)
+        batches = [self.data.micro_batch(step=step, micro=m, rank=self.rank, world=self.world,
+                                         micro_batch_size=o.micro_batch_size,
+                                         accumulation=self.accumulation).to(self.device)
                    for m in range(self.accumulation)]
-        totals = forward_backward(self.model, batches, self.logits, per_token=o.calculate_per_token_loss)
+        totals = forward_backward(self.model, batches, self.loss, per_token=o.calculate_per_token_loss)
         flag = torch.tensor([1.0 if self.stop.requested else 0.0], dtype=torch.float64, device=self.device)
         bad = flatfsdp.local_nonfinite(self.model, totals[0]).to(self.device, torch.float64).reshape(1)
         agreed = torch.cat([totals, flag, bad])
@@ -222,12 +229,11 @@ class Trainer:
         return bad.item() == 0
 
     def _evaluate(self, step: int, progress) -> None:
-        batches = [b.to(self.device) for b in data.eval_batches(
-            self.corpus.eval, count=self.o.eval_iters, rank=self.rank, world=self.world,
-            micro_batch_size=self.o.micro_batch_size, seq_length=self.o.seq_length)]
+        batches = [b.to(self.device) for b in self.data.eval_batches(
+            count=self.o.eval_iters, rank=self.rank, world=self.world, micro_batch_size=self.o.micro_batch_size)]
         self.model.eval()  # dropout and recompute off (no_grad is set by eval_loss_sums)
         try:
-            totals = eval_loss_sums(self.model, batches, self.logits)
+            totals = eval_loss_sums(self.model, batches, self.loss)
         finally:
             self.model.train()
         dist.all_reduce(totals)
@@ -242,7 +248,7 @@ class Trainer:
         if not self._weights_finite():  # belt and braces: never replace a good checkpoint with NaN
             raise UsageError(f"step {step}: the weights hold NaN/inf; refusing to save them to {directory} "
                              "(the checkpoint there, if any, is kept)")
-        resume.save(directory, self.model, self.optimizer, step, self.data_flags, self.device, self.hf_config)
+        resume.save(directory, self.model, self.optimizer, step, self.data_flags, self.device, self.extra_entries)
         self.checkpoint = directory
         self.log.event(step, f"{why}: checkpoint {directory}")
         if self.rank == 0:

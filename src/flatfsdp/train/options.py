@@ -74,6 +74,22 @@ class TrainOptions:
                                        "and safetensors; the model flags are ignored); bare --hf-model: a tiny random "
                                        "LlamaForCausalLM from a LlamaConfig; nothing downloaded; needs pip install "
                                        "'flatfsdp[hf]'", nargs="?", const="", metavar="DIR")
+    lora_rank: int | None = _flag(None, "fine-tune --hf-model through LoRA adapters of this rank (PEFT): the model's "
+                                        "own weights stay frozen; only the adapters get gradients and optimizer "
+                                        "state; needs pip install 'flatfsdp[lora]'", metavar="R")
+    lora_alpha: float = _flag(16.0, "LoRA scaling numerator: adapters add (alpha / rank) * B @ A")
+    lora_targets: str = _flag("all-linear", "comma-separated module names the adapters wrap (e.g. q_proj,v_proj), "
+                                            "or all-linear (every linear layer but the output head)")
+    # ---- data ----
+    data: tuple[str, ...] | None = _flag(None, "train on these .txt (paragraphs), .jsonl, .parquet files, folders of them "
+                                         "or datasets save_to_disk folders; tokenized once into --data-cache "
+                                         "(default: the text shipped with flatfsdp, as bytes)", nargs="+",
+                                   metavar="PATH")
+    data_field: str = _flag("text", "the .jsonl field / parquet or datasets column holding each document")
+    tokenizer: str | None = _flag(None, "a Hugging Face tokenizer folder for --data (default: the one in the "
+                                        "--hf-model folder, else byte tokens)", metavar="DIR")
+    data_cache: str | None = _flag(None, "where tokenized --data is kept, keyed by its content and the tokenizer "
+                                         "(default: ~/.cache/flatfsdp/tokens)", metavar="DIR")
     # ---- checkpoints, evaluation, output ----
     save: str | None = _flag(None, "checkpoint directory, replaced atomically at each save (end of training, "
                                    "every --save-interval steps, Ctrl-C)")
@@ -97,8 +113,9 @@ class TrainOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(prog=PROG, description="Train a GPT on the text shipped with flatfsdp, "
-                                 "sharded over local ranks (or the ranks torchrun started). See docs/train.md.")
+    parser = _OneLineErrorParser(prog=PROG, allow_abbrev=False, description="Train a GPT (or fine-tune a Hugging "
+                                 "Face model) on your text or on the text shipped with flatfsdp, sharded over "
+                                 "local ranks (or the ranks torchrun started). See docs/train.md.")
     for f in dataclasses.fields(TrainOptions):
         meta = dict(f.metadata)
         flag = "--" + f.name.replace("_", "-")
@@ -114,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str, "tuple[str, ...] | None": str}
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -125,8 +142,10 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 
 def parse_options(argv: list[str] | None) -> TrainOptions:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    options = TrainOptions(**vars(args))
+    args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+    if args["data"] is not None:
+        args["data"] = tuple(args["data"])  # frozen options stay hashable
+    options = TrainOptions(**args)
     check_options(options)
     return options
 
@@ -154,6 +173,16 @@ def check_options(o: TrainOptions) -> None:
     if o.hidden_size % o.num_attention_heads:
         raise UsageError(f"--hidden-size {o.hidden_size} is not divisible by --num-attention-heads "
                          f"{o.num_attention_heads}")
+    if o.lora_rank is not None:
+        if o.lora_rank < 1:
+            raise UsageError(f"--lora-rank must be at least 1, got {o.lora_rank}")
+        if not o.hf_model:
+            raise UsageError("--lora-rank fine-tunes a pretrained model: pass --hf-model DIR")
+        if not math.isfinite(o.lora_alpha) or o.lora_alpha <= 0:
+            raise UsageError(f"--lora-alpha must be a finite number greater than 0, got {o.lora_alpha}")
+    if not o.data and (o.tokenizer or o.data_field != "text"):
+        raise UsageError("--tokenizer and --data-field apply to --data PATH; without it the shipped text is "
+                         "read as bytes")
     if o.hf_model == "" and o.init_model_with_meta_device:
         raise UsageError("--init-model-with-meta-device needs every module to initialise itself in "
                          "reset_parameters(); the Hugging Face Llama does not (its norms and rotary tables), "

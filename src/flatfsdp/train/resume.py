@@ -42,13 +42,13 @@ def train_state(step: int, values: dict[str, int], device: torch.device) -> dict
 
 
 def save(directory: str, model, optimizer, step: int, values: dict[str, int], device: torch.device,
-         hf_config: str | None = None) -> None:
-    """``hf_config`` (a transformers model's config as JSON) is saved as the entry
-    that `flatfsdp checkpoint export --format hf` writes out as config.json."""
+         entries: dict[str, str] | None = None) -> None:
+    """``entries``: JSON strings saved beside the tensors -- the transformers
+    config (``hf_config``, which `flatfsdp checkpoint export --format hf` writes
+    out as config.json) and the LoRA settings (``lora_config``)."""
     state = {"model": model.state_dict(), "optim": optimizer.state_dict(),
              "train": train_state(step, values, device)}
-    if hf_config is not None:
-        state[checkpoint.HF_CONFIG_ENTRY] = hf_config
+    state.update(entries or {})
     checkpoint.save(state, directory)
 
 

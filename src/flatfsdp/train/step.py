@@ -19,10 +19,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.profiler import record_function
 
-from flatfsdp.models.gpt import lm_loss
 
 
-def forward_backward(model: nn.Module, batches: list[torch.Tensor], logits_fn: Callable, *,
+def forward_backward(model: nn.Module, batches: list[torch.Tensor], loss_fn: Callable, *,
                      per_token: bool) -> torch.Tensor:
     """Run forward/backward over ``batches`` (this rank's micro-batches) and wait
     for the gradient reductions; returns ``[sum of token losses, token count]``
@@ -32,7 +31,7 @@ def forward_backward(model: nn.Module, batches: list[torch.Tensor], logits_fn: C
         last = index == len(batches) - 1
         inputs, targets = batch[:, :-1], batch[:, 1:]
         with (contextlib.nullcontext() if last else model.no_sync()), record_function("train::micro_batch"):
-            token_losses = lm_loss(logits_fn(model, inputs), targets, reduction="sum")
+            token_losses = loss_fn(model, inputs, targets)
             tokens = targets.numel()
             scale = 1.0 if per_token else 1.0 / (tokens * len(batches))
             (token_losses * scale).backward()
@@ -85,12 +84,12 @@ def _divide_grads(model: nn.Module, count: float) -> None:
 
 
 @torch.no_grad()
-def eval_loss_sums(model: nn.Module, batches: list[torch.Tensor], logits_fn: Callable) -> torch.Tensor:
+def eval_loss_sums(model: nn.Module, batches: list[torch.Tensor], loss_fn: Callable) -> torch.Tensor:
     """``[sum of token losses, token count]`` over this rank's evaluation batches."""
     totals = torch.zeros(2, dtype=torch.float64, device=batches[0].device)
     with record_function("train::eval"):
         for batch in batches:
             targets = batch[:, 1:]
-            totals[0] += lm_loss(logits_fn(model, batch[:, :-1]), targets, reduction="sum").double()
+            totals[0] += loss_fn(model, batch[:, :-1], targets).double()
             totals[1] += targets.numel()
     return totals
