@@ -81,11 +81,3 @@ def init_adapters(model: nn.Module, seed: int) -> int:
         count += 1
     return count
 
-
-def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Parameters and optimizer-state bytes on this rank, split frozen / trainable."""
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    state_bytes = sum(local_tensor(v).numel() * v.element_size() for s in optimizer.state.values()
-                      for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return {"frozen_parameters": frozen, "trainable_parameters": trainable, "optimizer_state_bytes": state_bytes}

@@ -14,6 +14,14 @@ def _mean_tail(values: list[float], n: int = 10) -> float | None:
     return sum(tail) / len(tail) if tail else None
 
 
+def _optimizer_state_bytes(optimizer) -> int:
+    """This rank's optimizer state (its shards): with LoRA, the adapters' alone."""
+    from flatfsdp.pretrained.regions import local_tensor
+
+    return sum(local_tensor(v).numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if hasattr(v, "dim") and v.dim() > 0)
+
+
 def finish_report(trainer, seconds: float, stopped: str | None) -> dict:
     """Collective (gathers memory); rank 0 writes log.json and loss.png and prints.
     ``stopped``: None (ran to --train-iters), "interrupt" (Ctrl-C) or "exit_interval"."""
@@ -30,6 +38,9 @@ def finish_report(trainer, seconds: float, stopped: str | None) -> dict:
         "tokens_per_s": round(t.tokens_per_step * steps / seconds, 1) if steps else 0.0,
         "peak_rss_mb_per_rank": [row[1] for row in memory], "peak_device_mb_per_rank": [row[3] for row in memory],
         "persistent_bytes_per_rank": flatfsdp.persistent_buffer_bytes(t.model),
+        "persistent_bytes_by_role": flatfsdp.persistent_bytes_by_role(t.model),
+        "optimizer_state_bytes": _optimizer_state_bytes(t.optimizer),
+        "trainable_parameters": t.trainable, "parameters": t.parameters,
         "sharded_units": sum(isinstance(m, flatfsdp.FSDPModule) for m in t.model.modules()),
         "interrupted": stopped == "interrupt", "stopped": stopped, "checkpoint": t.checkpoint, "run_dir": t.run_dir,
     }
@@ -60,5 +71,9 @@ def _print(s: dict, t) -> None:
         print(f"{verb} {s['steps']} steps in {s['seconds']:.1f} s on {s['world_size']} ranks ({s['strategy']}): "
               f"loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}{evaluation} | {s['tokens_per_s']:,.0f} tokens/s "
               f"| peak MB per rank {memory}", flush=True)
+    if t.trainable != t.parameters:
+        roles = ", ".join(f"{role} {n:,}" for role, n in s["persistent_bytes_by_role"].items())
+        print(f"trained {t.trainable:,} of {t.parameters:,} parameters (LoRA adapters); bytes per rank: {roles}, "
+              f"optimizer state {s['optimizer_state_bytes']:,}", flush=True)
     files = "log.json, loss.png" + (f"; checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
     print(f"run directory {s['run_dir']}: {files}", flush=True)

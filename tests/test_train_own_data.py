@@ -1,0 +1,124 @@
+"""`flatfsdp train --hf-model DIR --data FILE` as a user runs it: their Llama
+and its BPE tokenizer (trained here with `tokenizers`), their jsonl of made-up
+documents, 2 real ranks. The loss falls, a resumed run continues bit for bit,
+and LoRA trains the adapters alone and exports a model from_pretrained loads."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import torch  # noqa: E402
+
+from flatfsdp.launch import launch  # noqa: E402
+from flatfsdp.train.loop import run  # noqa: E402
+from flatfsdp.train.options import parse_options  # noqa: E402
+
+from own_data_fixtures import make_user_setup  # noqa: E402
+
+COMMON = ["--seq-length", "32", "--micro-batch-size", "4", "--eval-iters", "2", "--log-interval", "4",
+          "--no-progress", "--eval-interval", "0", "--lr", "3e-3"]
+
+
+def _runs(jobs: dict[str, list[str]]) -> dict[str, dict]:
+    return {name: run(parse_options(argv)) for name, argv in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("own_data")
+    user = make_user_setup(root)
+    base = COMMON + ["--hf-model", user["model"], "--data", user["data"], "--data-cache", str(root / "cache")]
+    ckpt, lora_ckpt = str(root / "ckpt"), str(root / "lora_ckpt")
+    results = launch(_runs, 2, {
+        "straight": base + ["--train-iters", "12", "--run-dir", str(root / "a")],
+        "first": base + ["--train-iters", "12", "--run-dir", str(root / "b"), "--exit-interval", "6",
+                         "--save", ckpt],
+        "second": base + ["--train-iters", "12", "--run-dir", str(root / "c"), "--load", ckpt],
+        "lora": base + ["--train-iters", "8", "--run-dir", str(root / "d"), "--lora-rank", "4",
+                        "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj,down_proj", "--lr", "2e-2",
+                        "--save", lora_ckpt],
+    }, timeout_s=300)
+    return results, user, root
+
+
+def _config(run_dir) -> dict:
+    with open(os.path.join(run_dir, "log.json")) as f:
+        return json.load(f)["config"]
+
+
+def test_fine_tuning_on_my_jsonl_with_my_tokenizer_lowers_the_loss(trained):
+    results, user, root = trained
+    straight = results["straight"]
+    assert straight["losses"][-1] < straight["losses"][0] - 1.0
+    assert straight["eval_loss"] < straight["losses"][0] - 1.0
+    config = _config(root / "a")
+    # One document in 20 held out, whole; ids in uint16 (the vocabulary fits).
+    assert (config["train_documents"], config["eval_documents"]) == (380, 20)
+    with open(os.path.join(config["token_cache"], "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == user["vocab"]
+    assert os.path.getsize(os.path.join(config["token_cache"], "train.bin")) == 2 * config["train_tokens"]
+    # Every run of the module used the one cache entry: tokenized once.
+    assert len([n for n in os.listdir(root / "cache") if not n.endswith(".lock")]) == 1
+    assert _config(root / "c")["token_cache"] == config["token_cache"]
+
+
+def test_resumed_run_continues_bit_for_bit(trained):
+    results, _, _ = trained
+    assert results["first"]["losses"] + results["second"]["losses"] == results["straight"]["losses"]
+
+
+def test_lora_trains_only_the_adapters(trained):
+    results, user, root = trained
+    lora = results["lora"]
+    assert lora["losses"][-1] < lora["losses"][0] - 0.1
+    # q_proj, v_proj, down_proj of 2 layers: A is [4, in], B is [out, 4].
+    hidden, inter, kv = 48, 96, 2 * 12
+    adapters = 2 * (4 * (hidden + hidden) + 4 * (hidden + kv) + 4 * (inter + hidden))
+    assert lora["trainable_parameters"] == adapters
+    # Gradients and optimizer state (exp_avg, exp_avg_sq in fp32) exist for the adapters alone:
+    # rank 0 holds at most its half of them, padding aside.
+    assert 0 < lora["persistent_bytes_by_role"]["gradients"] <= 4 * adapters
+    assert 0 < lora["optimizer_state_bytes"] <= 2 * 4 * adapters
+    assert lora["persistent_bytes_by_role"]["main weights"] > 20 * lora["persistent_bytes_by_role"]["gradients"]
+
+
+def _eval_loss(model, batches) -> float:
+    with torch.no_grad():
+        total = sum(torch.nn.functional.cross_entropy(model(input_ids=b[:, :-1]).logits.flatten(0, 1),
+                                                      b[:, 1:].flatten(), reduction="sum").item() for b in batches)
+    return total / sum(b[:, 1:].numel() for b in batches)
+
+
+def test_lora_checkpoint_exports_a_merged_model_and_a_peft_adapter(trained):
+    import transformers
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from flatfsdp.checkpoint.cli import main as checkpoint_main
+    from flatfsdp.data.packed import PackedWindows
+    from flatfsdp.data.token_cache import TokenFiles
+
+    results, user, root = trained
+    out = root / "exported"
+    checkpoint_main(["export", "--format", "hf", str(root / "lora_ckpt"), str(out)])
+    config = _config(root / "d")
+    with open(os.path.join(config["token_cache"], "meta.json")) as f:
+        files = TokenFiles(config["token_cache"], json.load(f))
+    held_out = PackedWindows(files.open("eval"), 32, seed=1234)
+    batches = [b for r in range(2) for b in held_out.eval_batches(count=2, rank=r, world=2, micro_batch_size=4)]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert abs(_eval_loss(merged, batches) - results["lora"]["eval_loss"]) < 1e-4
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(user["model"])
+    with_adapter = PeftModel.from_pretrained(pretrained, out / "adapter").eval()
+    assert abs(_eval_loss(with_adapter, batches) - results["lora"]["eval_loss"]) < 1e-4
+    # The frozen weights left training untouched: unwrapped layers are the pretrained ones bit for bit.
+    before, after = load_file(os.path.join(user["model"], "model.safetensors")), load_file(out / "model.safetensors")
+    assert torch.equal(before["model.layers.0.self_attn.k_proj.weight"], after["model.layers.0.self_attn.k_proj.weight"])
+    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"], after["model.layers.0.self_attn.q_proj.weight"])
