@@ -112,7 +112,7 @@ def test_a_vocabulary_too_small_for_byte_tokens_is_refused(tmp_path, capsys):
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(SystemExit):
         main(["--hf-model", str(tmp_path)])
-    assert "its vocabulary (100 tokens) is smaller than the 256 byte values" in capsys.readouterr().err
+    assert "its embedding has 100 rows, fewer than the 256 token ids" in capsys.readouterr().err
 
 
 def test_a_directory_without_a_model_is_refused(tmp_path, capsys):
