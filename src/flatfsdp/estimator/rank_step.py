@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import flatfsdp
 from flatfsdp.estimator.live_bytes import distinct_storages
 from flatfsdp.estimator.models import ModelSpec
+from flatfsdp.models.gpt import lm_loss
 from flatfsdp.train.step import apply_step, forward_backward
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -141,7 +142,8 @@ def shard(spec: ModelSpec, layout: Layout, mesh_kwargs: dict) -> tuple[nn.Module
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: ModelSpec, batch: torch.Tensor) -> None:
-    forward_backward(model, [batch], spec.logits, per_token=False)
+    # The estimator meters the plain loss over the model's whole logits (its figures model those).
+    forward_backward(model, [batch], lambda m, x, y: lm_loss(spec.logits(m, x), y, reduction="sum"), per_token=False)
     apply_step(model, optimizer, global_tokens=1.0, per_token=False, clip_grad=1.0)
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_BYTES = 32 << 20
-"""fp32 logits per chunk: 256 tokens of a 32k vocabulary."""
+CHUNK_BYTES = 16 << 20
+"""fp32 logits per chunk: 128 tokens of a 32k vocabulary."""
 IGNORE_INDEX = -100
 """Targets equal to this add nothing (transformers' convention)."""
 
@@ -57,7 +57,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad = grad.to(h.dtype)
             if want_hidden:
                 torch.matmul(grad, weight, out=grad_hidden[start:start + chunk_tokens])
-            if want_weight:
+            if want_weight and grad_weight.dtype == h.dtype:
+                grad_weight.addmm_(grad.t(), h)  # in place: no vocab x width temporary per chunk
+            elif want_weight:
                 grad_weight += (grad.t() @ h).float()
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None))
         ctx.wanted = (want_hidden, want_weight, want_bias)
