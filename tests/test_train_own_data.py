@@ -35,15 +35,17 @@ def trained(tmp_path_factory):
     user = make_user_setup(root)
     base = COMMON + ["--hf-model", user["model"], "--data", user["data"], "--data-cache", str(root / "cache")]
     ckpt, lora_ckpt = str(root / "ckpt"), str(root / "lora_ckpt")
+    lora = base + ["--train-iters", "8", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
+                   "q_proj,v_proj,down_proj", "--lr", "2e-2"]
     results = launch(_runs, 2, {
         "straight": base + ["--train-iters", "12", "--run-dir", str(root / "a")],
         "first": base + ["--train-iters", "12", "--run-dir", str(root / "b"), "--exit-interval", "6",
                          "--save", ckpt],
         "second": base + ["--train-iters", "12", "--run-dir", str(root / "c"), "--load", ckpt],
-        "lora": base + ["--train-iters", "8", "--run-dir", str(root / "d"), "--lora-rank", "4",
-                        "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj,down_proj", "--lr", "2e-2",
-                        "--save", lora_ckpt],
-    }, timeout_s=300)
+        "lora": lora + ["--run-dir", str(root / "d")],
+        "lora_first": lora + ["--run-dir", str(root / "e"), "--exit-interval", "4", "--save", lora_ckpt],
+        "lora_second": lora + ["--run-dir", str(root / "f"), "--load", lora_ckpt, "--save", lora_ckpt],
+    }, timeout_s=400)
     return results, user, root
 
 
@@ -89,6 +91,12 @@ def test_lora_trains_only_the_adapters(trained):
     assert lora["persistent_bytes_by_role"]["main weights"] > 20 * lora["persistent_bytes_by_role"]["gradients"]
 
 
+def test_lora_run_resumes_bit_for_bit(trained):
+    results, _, _ = trained
+    assert results["lora_second"]["first_step"] == 5
+    assert results["lora_first"]["losses"] + results["lora_second"]["losses"] == results["lora"]["losses"]
+
+
 def _eval_loss(model, batches) -> float:
     with torch.no_grad():
         total = sum(torch.nn.functional.cross_entropy(model(input_ids=b[:, :-1]).logits.flatten(0, 1),
@@ -108,16 +116,16 @@ def test_lora_checkpoint_exports_a_merged_model_and_a_peft_adapter(trained):
     results, user, root = trained
     out = root / "exported"
     checkpoint_main(["export", "--format", "hf", str(root / "lora_ckpt"), str(out)])
-    config = _config(root / "d")
+    config = _config(root / "f")
     with open(os.path.join(config["token_cache"], "meta.json")) as f:
         files = TokenFiles(config["token_cache"], json.load(f))
     held_out = PackedWindows(files.open("eval"), 32, seed=1234)
     batches = [b for r in range(2) for b in held_out.eval_batches(count=2, rank=r, world=2, micro_batch_size=4)]
     merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert abs(_eval_loss(merged, batches) - results["lora"]["eval_loss"]) < 1e-4
+    assert abs(_eval_loss(merged, batches) - results["lora_second"]["eval_loss"]) < 1e-4
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(user["model"])
     with_adapter = PeftModel.from_pretrained(pretrained, out / "adapter").eval()
-    assert abs(_eval_loss(with_adapter, batches) - results["lora"]["eval_loss"]) < 1e-4
+    assert abs(_eval_loss(with_adapter, batches) - results["lora_second"]["eval_loss"]) < 1e-4
     # The frozen weights left training untouched: unwrapped layers are the pretrained ones bit for bit.
     before, after = load_file(os.path.join(user["model"], "model.safetensors")), load_file(out / "model.safetensors")
     assert torch.equal(before["model.layers.0.self_attn.k_proj.weight"], after["model.layers.0.self_attn.k_proj.weight"])
