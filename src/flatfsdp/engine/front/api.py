@@ -16,6 +16,7 @@ from flatfsdp.engine.layout.mesh import check_device, check_hybrid_group, expert
 from flatfsdp.engine.front.optimizer import fully_shard_optimizer
 from flatfsdp.engine.layout.precision import resolve_policy
 from flatfsdp.engine.front.shard_unit import shard_unit
+from flatfsdp.engine.front.spmd_mesh import check_spmd_params, spmd_dp_dims
 from flatfsdp.engine.layout.strategy import ShardingStrategy
 from flatfsdp.engine.runtime.tied_params import params_used_outside
 from flatfsdp.engine.front.unit_classes import resolve_unit_classes
@@ -42,7 +43,7 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
                 meta_init_seed: int | None = None, shard_block: int | tuple[int, int] | None = None,
                 dp_outer_dim: str | None = None, tp_dim: str | None = None, hybrid_fsdp_group: Any = None,
                 expt_device_mesh: DeviceMesh | None = None, outer_dp_sharding_strategy: int | str = 0,
-                **kwargs: Any):
+                dp_mesh_dims: Any = None, **kwargs: Any):
     """Shard ``module``.
 
     * ``fully_shard(model, optimizer, fsdp_unit_modules=[Block], ...)`` shards every
@@ -63,7 +64,23 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
     parameters that are already DTensors (tensor parallelism, ``tp_dim``)
     are sharded over the data-parallel dimensions only; ``expt_device_mesh``
     shards expert parameters (``allreduce=False``) over its ``dp_shard_dim``.
+    FSDP2's ``dp_mesh_dims`` (``mesh`` is the whole SPMD mesh) is read as
+    those arguments: see spmd_mesh.
     """
+    if dp_mesh_dims is not None:
+        if fsdp_unit_modules is not None or optimizer is not None:
+            raise TypeError("dp_mesh_dims belongs to the per-module form fully_shard(module, mesh=..., "
+                            "dp_mesh_dims=...); the one-call form takes dp_shard_dim= / dp_outer_dim=")
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError("reshard_after_forward as an int is not supported with dp_mesh_dims "
+                                      "(as in FSDP2)")
+        spmd = mesh if mesh is not None else device_mesh
+        shard_name, replicate_name = spmd_dp_dims(spmd, dp_mesh_dims)
+        check_spmd_params(module, spmd)
+        mesh, device_mesh = None, spmd
+        dp_shard_dim, dp_outer_dim = (shard_name, replicate_name) if shard_name else (replicate_name, None)
+        if shard_name is None:  # replicate only: FSDP2's DDP
+            zero_dp_strategy = ShardingStrategy.NO_SHARD
     options = _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs,

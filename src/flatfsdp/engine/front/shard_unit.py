@@ -9,13 +9,13 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatfsdp.engine.comm.coalesce import DEFAULT_BUCKET_BYTES
 from flatfsdp.engine.comm.fingerprint import check_ranks_agree, describe
 from flatfsdp.engine.runtime.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.engine.layout.arithmetic import shard_dim_for
-from flatfsdp.engine.layout.mesh import DataParallelMesh, mesh_device
+from flatfsdp.engine.layout.mesh import DataParallelMesh, data_parallel_dims, mesh_device
 from flatfsdp.engine.runtime.meta_init import materialize_meta
 from flatfsdp.engine.groups.param_group import ParamGroup
 from flatfsdp.engine.groups.slots import ParamSlot
@@ -55,7 +55,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     for dp_group in (mesh.shard, mesh.outer):
         if dp_group is not None and dp_group.size() > 1:
             check_ranks_agree(description, dp_group.get_group(), device)
-    slots = [_with_tensor_parallel(s, label) for s in slots]
+    slots = [_with_tensor_parallel(s, label, mesh) for s in slots]
     # By name: meta-device materialisation below replaces the parameter objects.
     experts = {s.fqn for s in slots if expert_mesh is not None and _is_expert(s.param)}
     meshes = {False: mesh, True: expert_mesh}
@@ -203,7 +203,6 @@ def _choose_placements(slots: list[ParamSlot], mesh: DataParallelMesh, strategy:
             dim = shard_dim_for(slot.local_shape, world, shard_block)
         if dim is None and slot.param.dim() > 0:
             kept_whole.append(f"{slot.fqn} {slot.local_shape}")
-        _check_strided(slot, dim, world, unit)
         out.append(slot.with_dim(dim))
     if kept_whole:
         warnings.warn(f"unit '{unit}': no dimension of {', '.join(kept_whole)} splits over {world} ranks in whole "
@@ -237,27 +236,20 @@ class PlacementError(ValueError, AssertionError):
     AssertionError: FSDP2 raises one here, and code written for it catches that.)"""
 
 
-def _with_tensor_parallel(slot: ParamSlot, unit: str) -> ParamSlot:
+def _with_tensor_parallel(slot: ParamSlot, unit: str, mesh: DataParallelMesh) -> ParamSlot:
     """Record how a DTensor parameter (tensor / sequence parallel) is placed;
     flatfsdp shards its local tensor."""
     param = slot.param
     if not isinstance(param, DTensor):
         return slot
-    spec = TensorParallelSpec(param.device_mesh, tuple(param.placements), param.shape)
+    dp_dims = data_parallel_dims(param.device_mesh, mesh)
+    for index in dp_dims:
+        if not isinstance(param.placements[index], Replicate):
+            raise PlacementError(f"unit '{unit}': parameter '{slot.fqn}' is {param.placements[index]!r} on "
+                                 f"data-parallel mesh dimension '{param.device_mesh.mesh_dim_names[index]}'; it "
+                                 "must be Replicate() there (fully_shard does the sharding)")
+    spec = TensorParallelSpec(param.device_mesh, tuple(param.placements), param.shape, dp_dims)
     return dataclasses.replace(slot, tp=spec)
-
-
-def _check_strided(slot: ParamSlot, dim: int | None, world: int, unit: str) -> None:
-    """Chunking a dimension tensor parallelism already splits gives a
-    ``_StridedShard`` placement, which DTensor supports only for even chunks."""
-    if dim is None or slot.tp is None or slot.tp.shards_dim(dim) == 1:
-        return
-    if slot.local_shape[dim] % world:
-        raise PlacementError(
-            f"unit '{unit}': tensor-parallel parameter '{slot.fqn}' (local shape {slot.local_shape}) is split on "
-            f"dim {dim} by tensor parallelism and cannot also be chunked evenly on it over {world} data-parallel "
-            "ranks; DTensor needs even chunks there. Pick another dimension with shard_placement_fn, or a size "
-            "that divides")
 
 
 def _is_expert(param: nn.Parameter) -> bool:

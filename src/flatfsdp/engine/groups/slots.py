@@ -47,8 +47,13 @@ def local_grad(grad: torch.Tensor, tp: TensorParallelSpec | None) -> torch.Tenso
     the parameter is (a partial sum is reduced over the tensor-parallel mesh first)."""
     if not isinstance(grad, DTensor):
         return grad
-    if tp is not None and tuple(grad.placements) != tuple(tp.placements):
-        grad = grad.redistribute(tp.mesh, tp.placements)
+    if tp is None:
+        return grad.to_local()
+    # On FSDP2's SPMD mesh the data-parallel dimensions are left as they are
+    # (a partial sum there is this rank's contribution): the reduction sums them.
+    wanted = tuple(grad.placements[i] if i in tp.data_parallel_dims else p for i, p in enumerate(tp.placements))
+    if tuple(grad.placements) != wanted:
+        grad = grad.redistribute(tp.mesh, wanted)
     return grad.to_local()
 
 

@@ -162,6 +162,21 @@ def _root(mesh: DeviceMesh) -> DeviceMesh | None:
     return get_root() if get_root is not None else None
 
 
+def spans_data_parallel(mesh: DeviceMesh, dp: DataParallelMesh) -> bool:
+    """``mesh`` is FSDP2's SPMD mesh (``dp_mesh_dims``): it has the data-parallel
+    dimensions among its own, rather than being a tensor-parallel submesh."""
+    return data_parallel_dims(mesh, dp) != ()
+
+
+def data_parallel_dims(mesh: DeviceMesh, dp: DataParallelMesh) -> tuple[int, ...]:
+    """Indices of ``mesh``'s data-parallel dimensions, outer first (empty: none)."""
+    names = list(mesh.mesh_dim_names or ())
+    wanted = [m.mesh_dim_names[0] for m in (dp.outer, dp.shard) if m is not None and m.mesh_dim_names]
+    if not names or not wanted or any(n not in names for n in wanted) or _root(mesh) != _root(dp.shard):
+        return ()
+    return tuple(names.index(n) for n in wanted)
+
+
 def combined_mesh(dp: DeviceMesh, tp: DeviceMesh, param: str) -> DeviceMesh:
     """The mesh of a tensor-parallel parameter once it is also sharded over
     data parallelism: the data-parallel dimensions, then the tensor-parallel

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from flatfsdp.engine.layout.arithmetic import ParamLayout
-from flatfsdp.engine.layout.mesh import DataParallelMesh, combined_mesh
+from flatfsdp.engine.layout.mesh import DataParallelMesh, combined_mesh, spans_data_parallel
 from flatfsdp.engine.layout.strategy import ShardingStrategy
 
 
@@ -40,11 +40,17 @@ class TensorParallelSpec:
     placements: tuple[Placement, ...]
     shape: torch.Size
     """The global shape."""
+    data_parallel_dims: tuple[int, ...] = ()
+    """FSDP2's ``dp_mesh_dims``: ``mesh`` is the whole SPMD mesh, and these of
+    its dimensions (replicated here) are the data-parallel ones flatfsdp shards
+    over. The sharded DTensor stays on ``mesh``, sharded on those dimensions."""
 
     def shards_dim(self, dim: int) -> int:
         """How many ranks of this mesh split tensor dimension ``dim`` (1: none)."""
         ways = 1
-        for size, placement in zip(self.mesh.shape, self.placements):
+        for index, (size, placement) in enumerate(zip(self.mesh.shape, self.placements)):
+            if index in self.data_parallel_dims:
+                continue
             if isinstance(placement, Shard) and placement.dim == dim:
                 ways *= size
         return ways
@@ -94,6 +100,8 @@ class GroupPlacement:
             return self.dp.hybrid_spmd
         if self.tp_mesh is None:
             return self.dp.spmd
+        if spans_data_parallel(self.tp_mesh, self.dp):
+            return self.tp_mesh
         return combined_mesh(self.dp.spmd, self.tp_mesh, fqn)
 
     def dtensor_placements(self, param: ParamLayout, tp: TensorParallelSpec | None = None) -> tuple[Placement, ...]:
@@ -110,4 +118,9 @@ class GroupPlacement:
             dp = _StridedShard(param.shard_dim, split_factor=tp.shards_dim(param.shard_dim))
         else:
             dp = Shard(param.shard_dim)
+        if tp is not None and tp.data_parallel_dims:  # the SPMD mesh: its own dimension order
+            placements = list(tp.placements)
+            for index, placement in zip(tp.data_parallel_dims, outer + (dp,)):
+                placements[index] = placement
+            return tuple(placements)
         return outer + (dp,) + (tp.placements if tp is not None else ())

@@ -108,6 +108,15 @@ def _require_plain(state) -> None:
                     "or build the tensor-parallel model on a real device")
 
 
+def awaiting_init(state) -> set[int]:
+    """ids of the unit's parameters that still wait for their deferred
+    initialisation: built on the meta device, and since neither replaced nor
+    written (loaded) by the user."""
+    if not state.pending_init:
+        return set()
+    return {id(real) for real in state.meta_originals} - state.user_valued - state.written_since_sharding()
+
+
 def initialize_pending(state) -> None:
     """Run the deferred ``reset_parameters()`` of a unit's modules into a
     temporary full copy of each group (main dtype), keep this rank's chunks."""
@@ -116,7 +125,7 @@ def initialize_pending(state) -> None:
     # model) keeps the values it was given, even when its module was reset;
     # so does one the user replaced (state.user_valued) or wrote in place
     # after sharding, e.g. to_empty on an unsharded parent then nn.init.
-    was_meta = {id(real) for real in state.meta_originals} - state.user_valued - state.written_since_sharding()
+    was_meta = awaiting_init(state)
     owners = {id(module) for group in state.groups for slot in group.slots if id(slot.param) in was_meta
               for module, _ in slot.locations}
     pending = [entry for entry in state.pending_init if id(entry[2]) in owners]

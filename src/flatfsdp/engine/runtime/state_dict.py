@@ -8,7 +8,14 @@ and ``torch.distributed.checkpoint.state_dict`` expect.
 
 ``load_state_dict()`` accepts those, DTensors of any other placement
 (redistributed: a collective), or plain full-size tensors (this rank's chunk
-is copied; no collective).
+is copied; no collective). With ``assign=True`` the assigned DTensor objects
+become the sharded parameters (as in FSDP2), viewing the engine's buffers.
+
+A unit built on the meta device whose deferred initialisation has not run
+reports those parameters as meta DTensors, placed as they will be, and
+initialises nothing (FSDP2's meta model does the same): Accelerate's
+``cpu_ram_efficient_loading`` reads the placements there, then loads the real
+values -- which cancels the initialisation of what it loaded.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from flatfsdp.engine.runtime.meta_init import awaiting_init
+from flatfsdp.engine.runtime.replaced_params import adopt_replaced_params
 
 
 def install_state_dict_hooks(module: nn.Module, index: int = 0) -> None:
@@ -35,18 +45,29 @@ def _keys(slot, index: int) -> list[str]:
 
 
 def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    module._flatfsdp_state.ensure_initialized()
+    state = module._flatfsdp_state
+    if not state.pending_init:
+        state.ensure_initialized()
 
 
 def _sharded_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, *, index: int) -> None:
     """Between steps the module holds the sharded parameters already; while it
     computes (inside forward) it holds the gathered ones -- report the sharded
     ones either way."""
-    for group in module._flatfsdp_state.groups:
+    state = module._flatfsdp_state
+    uninitialised = awaiting_init(state)
+    for group in state.groups:
         for slot, sharded in zip(group.slots, group.sharded_params):
+            value = _meta_like(sharded) if id(slot.param) in uninitialised else sharded.detach()
             for key in _keys(slot, index):
                 if prefix + key in state_dict:
-                    state_dict[prefix + key] = sharded.detach()
+                    state_dict[prefix + key] = value
+
+
+def _meta_like(sharded: DTensor) -> DTensor:
+    local = torch.empty(sharded.to_local().shape, dtype=sharded.dtype, device="meta")
+    return DTensor.from_local(local, sharded.device_mesh, sharded.placements, run_check=False,
+                              shape=sharded.shape, stride=sharded.stride())
 
 
 def _to_local_placements(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
@@ -54,13 +75,15 @@ def _to_local_placements(module: nn.Module, state_dict: dict, prefix: str, local
     """Turn each incoming value into a DTensor placed like the parameter, so
     torch's own copy (and its key and shape checks) does the rest."""
     state = module._flatfsdp_state
-    state.ensure_initialized()
+    if not state.pending_init:
+        state.ensure_initialized()
     for group in state.groups:
         for position, (slot, sharded) in enumerate(zip(group.slots, group.sharded_params)):
             for key in (prefix + k for k in _keys(slot, index) if prefix + k in state_dict):
                 value = state_dict[key]
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
                     state_dict[key] = _placed_like(value, sharded, group, position)
+                    state.user_valued.add(id(slot.param))  # loaded: its deferred initialisation must not run
                 # else: torch reports the mismatch
 
 
@@ -82,5 +105,10 @@ def _placed_like(value: torch.Tensor, sharded: DTensor, group, index: int) -> to
 
 
 def _note_loaded(module: nn.Module, incompatible_keys) -> None:
-    for group in module._flatfsdp_state.groups:
+    """After torch copied the values in -- or, with ``assign=True``, put the
+    loaded DTensors in the parameters' places: those become the sharded
+    parameters now (an optimizer built next must get the trained objects)."""
+    state = module._flatfsdp_state
+    state.user_valued |= adopt_replaced_params(state)
+    for group in state.groups:
         group.note_weights_written()

@@ -72,9 +72,14 @@ class UnitState:
         """Each module's name in the model the outermost fully_shard call sharded."""
         self._forwarded: set[int] = set()
         """Modules of a grouped unit whose forward ran in the current root forward."""
+        # Under torch.compile(model) the hooks run eagerly, at graph breaks:
+        # they move storage, wait on collectives and walk Python state (the
+        # stale-optimizer check), none of which a graph can hold; the module's
+        # own computation between them is still compiled.
         for module in modules:
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward, with_kwargs=True)
+            module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward), prepend=True,
+                                             with_kwargs=True)
+            module.register_forward_hook(torch.compiler.disable(self._post_forward), with_kwargs=True)
 
     @property
     def modules(self) -> list[nn.Module]:
