@@ -153,6 +153,24 @@ def _bad_override(MixedPrecisionPolicy) -> str:
     return "no error"
 
 
+def _dp_mesh_dims() -> list[torch.Tensor] | None:
+    """FSDP2's ``dp_mesh_dims`` (torch 2.12+): a full mesh, its data-parallel dimension named."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from flatfsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+    model = _shard(fully_shard, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in _batches():
+        for mb in x.chunk(2):
+            (model(_local(mb)).pow(2).mean() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return _full(model)
+
+
 def _worker(rank, world):
     import torch.distributed.fsdp as torch_fsdp
 
@@ -169,6 +187,7 @@ def _worker(rank, world):
                              policy_cls, "__dataclass_fields__") and "param_dtype_override_fn" in
                          policy_cls.__dataclass_fields__ else None)
     out["bad_override"] = _bad_override(flatfsdp.MixedPrecisionPolicy)
+    out["dp_mesh_dims"] = _dp_mesh_dims() if hasattr(torch_fsdp, "DataParallelMeshDims") else None
     if "fsdp2" in doors:  # torch's own policy class, read by flatfsdp
         out["flatfsdp_with_torch_policy"] = _override(flatfsdp.fully_shard, torch_fsdp.MixedPrecisionPolicy)
     return out
@@ -187,10 +206,22 @@ def _max_diff(a, b) -> float:
 def test_manual_finalization_trains_like_the_reference_and_fsdp2(results, mode):
     ranks, ref = results
     for r in ranks:
+        import torch.distributed.fsdp as torch_fsdp
+        assert ("fsdp2" in r) == hasattr(torch_fsdp.FSDPModule, "finalize_backward")
         assert _max_diff(r["flatfsdp"][mode]["params"], ref) < TOL
         if "fsdp2" in r:
             assert _max_diff(r["fsdp2"][mode]["params"], ref) < TOL
             assert _max_diff(r["flatfsdp"][mode]["params"], r["fsdp2"][mode]["params"]) < TOL
+
+
+def test_dp_mesh_dims_names_the_data_parallel_dimension(results):
+    import torch.distributed.fsdp as torch_fsdp
+
+    ranks, ref = results
+    if not hasattr(torch_fsdp, "DataParallelMeshDims"):
+        pytest.skip(f"torch {torch.__version__} has no DataParallelMeshDims (added in 2.12)")
+    for r in ranks:
+        assert _max_diff(r["dp_mesh_dims"], ref) < TOL
 
 
 def test_async_finalization_returns_a_handle_and_guards_the_next_forward(results):

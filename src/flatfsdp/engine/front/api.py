@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatfsdp.engine.front.fsdp2_args import check_fsdp2_mesh, check_offload_policy, fsdp2_reshard_after_forward
+from flatfsdp.engine.front.fsdp2_args import (check_fsdp2_mesh, check_offload_policy, dims_from_dp_mesh_dims,
+                                              fsdp2_reshard_after_forward)
 from flatfsdp.engine.layout.offload import HostOffload
 from flatfsdp.engine.layout.arithmetic import check_block
 from flatfsdp.engine.layout.mesh import check_device, check_hybrid_group, expert_dp_mesh, resolve_dp_mesh
@@ -42,7 +43,7 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
                 meta_init_seed: int | None = None, shard_block: int | tuple[int, int] | None = None,
                 dp_outer_dim: str | None = None, tp_dim: str | None = None, hybrid_fsdp_group: Any = None,
                 expt_device_mesh: DeviceMesh | None = None, outer_dp_sharding_strategy: int | str = 0,
-                **kwargs: Any):
+                dp_mesh_dims: Any = None, **kwargs: Any):
     """Shard ``module``.
 
     * ``fully_shard(model, optimizer, fsdp_unit_modules=[Block], ...)`` shards every
@@ -63,7 +64,11 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
     parameters that are already DTensors (tensor parallelism, ``tp_dim``)
     are sharded over the data-parallel dimensions only; ``expt_device_mesh``
     shards expert parameters (``allreduce=False``) over its ``dp_shard_dim``.
+    FSDP2's ``dp_mesh_dims`` (torch 2.12+) names them on a full mesh instead.
     """
+    dp_shard_dim, dp_outer_dim = dims_from_dp_mesh_dims(dp_mesh_dims, dp_shard_dim, dp_outer_dim)
+    if dp_mesh_dims is not None and device_mesh is None:
+        mesh, device_mesh = None, mesh  # a full SPMD mesh, its data-parallel dimensions named
     options = _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs,

@@ -51,3 +51,27 @@ def check_offload_policy(policy: Any) -> None:
 
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got {type(policy).__name__}")
+
+
+def dims_from_dp_mesh_dims(dp_mesh_dims: Any, dp_shard_dim: str | None,
+                           dp_outer_dim: str | None) -> tuple[str | None, str | None]:
+    """FSDP2's ``dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)``
+    (torch 2.12+: which dimensions of a full SPMD mesh are data-parallel) as
+    this engine's ``(dp_shard_dim, dp_outer_dim)``."""
+    if dp_mesh_dims is None:
+        return dp_shard_dim, dp_outer_dim
+    if dp_shard_dim is not None or dp_outer_dim is not None:
+        raise ValueError("pass the data-parallel dimensions either as dp_mesh_dims= or as dp_shard_dim=/dp_outer_dim=, "
+                         "not both")
+    shard, replicate = getattr(dp_mesh_dims, "shard", None), getattr(dp_mesh_dims, "replicate", None)
+    if shard is None:
+        raise NotImplementedError(f"dp_mesh_dims={dp_mesh_dims!r}: replication without a shard dimension is "
+                                  "not supported by flatfsdp's fully_shard; name a shard dimension")
+    for role, names in (("shard", shard), ("replicate", replicate)):
+        if isinstance(names, (tuple, list)) and len(names) > 1:
+            raise NotImplementedError(f"dp_mesh_dims {role}={tuple(names)!r}: several dimensions are flattened by "
+                                      f"torch here; flatten them yourself (mesh[{tuple(names)!r}]._flatten(name)) "
+                                      "and name the flattened dimension")
+    def single(names):
+        return names[0] if isinstance(names, (tuple, list)) else names
+    return single(shard), single(replicate)
