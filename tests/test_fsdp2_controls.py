@@ -120,7 +120,11 @@ def _keep_storage(fully_shard, keep: bool) -> dict:
         model(_local(x)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    return dict(same_address=len(set(seen)) == 1, params=_full(model))
+    held = None
+    if isinstance(model, __import__("flatfsdp").FSDPModule):  # unsharded bytes still held between steps
+        from flatfsdp import allocated_buffer_bytes, persistent_buffer_bytes
+        held = allocated_buffer_bytes(model) - persistent_buffer_bytes(model)
+    return dict(same_address=len(set(seen)) == 1, params=_full(model), held=held)
 
 
 def _override(fully_shard, MixedPrecisionPolicy) -> dict:
@@ -183,6 +187,7 @@ def _worker(rank, world):
     for door, (fully_shard, policy_cls) in doors.items():
         out[door] = dict(sync=_manual_finalization(fully_shard, False), async_=_manual_finalization(fully_shard, True),
                          misuse=_misuse(fully_shard), keep=_keep_storage(fully_shard, True),
+                         free=_keep_storage(fully_shard, False),
                          override=_override(fully_shard, policy_cls) if door == "flatfsdp" or hasattr(
                              policy_cls, "__dataclass_fields__") and "param_dtype_override_fn" in
                          policy_cls.__dataclass_fields__ else None)
@@ -251,6 +256,9 @@ def test_keep_unsharded_storage_keeps_addresses_and_training(results):
         for door in ("flatfsdp", "fsdp2"):
             if door in r:
                 assert r[door]["keep"]["same_address"], door
+        # 4 parameters of 8 or 8x8 floats per block, two blocks (ZeRO-3: only kept, never persistent)
+        assert r["flatfsdp"]["keep"]["held"] >= 2 * (64 + 3 * 8) * 4 and r["flatfsdp"]["free"]["held"] == 0
+        assert _max_diff(r["flatfsdp"]["keep"]["params"], r["flatfsdp"]["free"]["params"]) == 0
         if "fsdp2" in r:
             assert _max_diff(r["flatfsdp"]["keep"]["params"], r["fsdp2"]["keep"]["params"]) < TOL
 
