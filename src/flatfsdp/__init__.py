@@ -1,6 +1,7 @@
 """flatfsdp: fully sharded data parallelism over flat, zero-copy buffers."""
 
-from flatfsdp.engine import (CommAccount, FSDPModule, MixedPrecisionPolicy, ShardingStrategy, UnshardHandle,
+from flatfsdp.engine import (CommAccount, FSDPModule, GradientReductionHandle, MixedPrecisionPolicy, ShardingStrategy,
+                             UnshardHandle,
                              allocated_buffer_bytes, comm_account, fully_shard, fully_shard_model,
                              fully_shard_optimizer, mark_initialized, persistent_buffer_bytes,
                              persistent_bytes_by_role, resizable_buffers, held_tensors,
@@ -11,7 +12,8 @@ from flatfsdp.engine import TIMEOUT_ENV, CollectiveTimeout
 from flatfsdp.pretrained import load_pretrained  # noqa: E402 (an application on the names above)
 
 __all__ = [
-    "CommAccount", "FSDPModule", "MixedPrecisionPolicy", "ShardingStrategy", "UnshardHandle", "comm_account",
+    "CommAccount", "FSDPModule", "GradientReductionHandle", "MixedPrecisionPolicy", "ShardingStrategy", "UnshardHandle",
+    "comm_account",
     "fully_shard", "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes",
     "persistent_bytes_by_role", "resizable_buffers", "held_tensors",
     "register_fsdp_forward_method", "reset_parameters",

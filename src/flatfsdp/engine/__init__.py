@@ -10,7 +10,8 @@ from flatfsdp.engine.layout.strategy import ShardingStrategy
 from flatfsdp.engine.comm.comm_account import CommAccount, comm_account
 from flatfsdp.engine.comm.fingerprint import ReplicaMismatch, verify_replicas
 from flatfsdp.engine.comm.watchdog import TIMEOUT_ENV, CollectiveTimeout
-from flatfsdp.engine.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from flatfsdp.engine.runtime.fsdp_module import (FSDPModule, GradientReductionHandle, UnshardHandle,
+                                                register_fsdp_forward_method)
 from flatfsdp.engine.runtime.meta_init import mark_initialized, reset_parameters
 from flatfsdp.engine.front.api import fully_shard, fully_shard_model
 from flatfsdp.engine.front.finite_check import (NonFiniteError, NonFiniteReport, check_finite, local_nonfinite,
@@ -20,7 +21,7 @@ from flatfsdp.engine.front.memory import (allocated_buffer_bytes, held_tensors, 
 from flatfsdp.engine.front.optimizer import fully_shard_optimizer
 
 __all__ = [
-    "CommAccount", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
+    "CommAccount", "FSDPModule", "GradientReductionHandle", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
     "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes", "reset_parameters",
     "persistent_bytes_by_role", "resizable_buffers", "held_tensors",
     # reliability (docs/reliability.md)

@@ -20,6 +20,7 @@ from flatfsdp.engine.comm.comm_account import comm_account
 from flatfsdp.engine.layout.device import SideStream, wait_event
 from flatfsdp.engine.comm.exchange import exchange_all_gather, exchange_reduce_scatter, post_messages
 from flatfsdp.engine.layout.views import same_start
+from flatfsdp.engine.comm.torch_collectives import all_gather_single, reduce_scatter_single
 from flatfsdp.engine.comm.watchdog import wait_works
 
 
@@ -82,7 +83,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
         return _run("all_gather", nbytes(output), group, None, async_op,
                     lambda _: _messages(group, exchange_all_gather(output, shard, group)))
     return _run("all_gather", nbytes(output), group, stream, async_op,
-                lambda a: _handles(group, dist.all_gather_single(output, shard, group=group, async_op=a)))
+                lambda a: _handles(group, all_gather_single(output, shard, group=group, async_op=a)))
 
 
 def gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup, size: int,
@@ -90,7 +91,7 @@ def gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group: dist.P
     """Several equal-shard all-gathers that together fill one buffer of ``size``
     bytes (counted once): ``(output, shard)`` pairs, each rank-major."""
     def issue(a: bool) -> Pending:
-        return _handles(group, *(dist.all_gather_single(out, shard, group=group, async_op=a)
+        return _handles(group, *(all_gather_single(out, shard, group=group, async_op=a)
                                  for out, shard in pieces))
     return _run("all_gather", size, group, stream, async_op, issue)
 
@@ -118,7 +119,7 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
             pending.then.append(lambda: output.copy_(mine))
         return pending
     return _run("reduce_scatter", nbytes(flat), group, stream, async_op,
-                lambda a: _handles(group, dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM,
+                lambda a: _handles(group, reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM,
                                                                      group=group, async_op=a)))
 
 

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatfsdp.engine.comm.torch_collectives import all_gather_single
+
 
 class ReplicaMismatch(ValueError):
     """Ranks disagree on the model: what, where, and which ranks."""
@@ -49,7 +51,7 @@ def check_ranks_agree(description: tuple, group: dist.ProcessGroup, device: torc
         return  # no other rank to disagree (torch's fake group: the estimator's one real rank)
     mine = torch.tensor([_hash(description)], dtype=torch.int64, device=device)
     hashes = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_single(hashes, mine, group=group)
+    all_gather_single(hashes, mine, group=group)
     if bool((hashes == hashes[0]).all()):  # one host sync, whatever the world size
         return
     everyone: list = [None] * world

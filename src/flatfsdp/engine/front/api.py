@@ -71,6 +71,9 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
         if fsdp_unit_modules is not None or optimizer is not None:
             raise TypeError("dp_mesh_dims belongs to the per-module form fully_shard(module, mesh=..., "
                             "dp_mesh_dims=...); the one-call form takes dp_shard_dim= / dp_outer_dim=")
+        if dp_shard_dim is not None or dp_outer_dim is not None:
+            raise ValueError("pass the data-parallel dimensions either as dp_mesh_dims= or as "
+                             "dp_shard_dim=/dp_outer_dim=, not both")
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             raise NotImplementedError("reshard_after_forward as an int is not supported with dp_mesh_dims "
                                       "(as in FSDP2)")

@@ -51,3 +51,4 @@ def check_offload_policy(policy: Any) -> None:
 
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got {type(policy).__name__}")
+

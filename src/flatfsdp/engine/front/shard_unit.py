@@ -64,12 +64,15 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
                                               meshes[expert], strategy, shard_block, shard_placement_fn, label)]
     meta_originals: dict = {}
     pending_init = materialize_meta(units, slots, device, meta_originals)
+    own_dtype = {s.fqn for s in slots if policy.keeps_original_dtype(s.param, s.fqn)}
     groups = []
-    for (_dtype, _grad, replicated, _tp, expert, hybrid), members in _group(slots, experts, mesh).items():
+    for (_dtype, _grad, replicated, _tp, expert, hybrid, keep), members in _group(slots, experts, mesh,
+                                                                                  own_dtype).items():
         tp_mesh = members[0].tp.mesh if members[0].tp is not None else None
         placement = GroupPlacement.resolve(strategy, meshes[expert], replicate=replicated, tp_mesh=tp_mesh,
                                            hybrid=hybrid)
-        groups.append(ParamGroup(members, placement=placement, policy=policy, device=device, offload=offload))
+        groups.append(ParamGroup(members, placement=placement, policy=policy.for_original_dtype() if keep else policy,
+                                 device=device, offload=offload))
     for group in groups:
         group.use_sharded_params()
     state = UnitState(units, groups, policy=policy, reshard_after_forward=reshard_after_forward,
@@ -258,7 +261,8 @@ def _is_expert(param: nn.Parameter) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh) -> "OrderedDict[tuple, list[ParamSlot]]":
+def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh,
+           own_dtype: set[str]) -> "OrderedDict[tuple, list[ParamSlot]]":
     groups: OrderedDict[tuple, list[ParamSlot]] = OrderedDict()
     for slot in slots:
         tp_mesh = id(slot.tp.mesh) if slot.tp is not None else None
@@ -266,7 +270,8 @@ def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh) ->
         # HFSDP for what is chunked on dim 0 (see outer_shard); the rest --
         # replicated, column-chunked or tensor-parallel -- stays HSDP.
         hybrid = mesh.outer_shards_optimizer and not expert and slot.tp is None and slot.shard_dim == 0
-        key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, expert, hybrid)
+        key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, expert, hybrid,
+               slot.fqn in own_dtype)
         groups.setdefault(key, []).append(slot)
     return groups
 

@@ -215,10 +215,12 @@ class ParamGroup:
                                   for p in self.layout.params],
                                  [b.main_chunk(i) for i in range(len(self.params))])
 
-    def reshard(self) -> None:
-        """Release the gathered weights (ZeRO-3 only; the others keep them)."""
+    def reshard(self, free_storage: bool = True) -> None:
+        """Release the gathered weights (ZeRO-3 only; the others keep them).
+        ``free_storage=False`` keeps their storage allocated (FSDP2's
+        ``set_keep_unsharded_storage``): the next gather lands at the same address."""
         self._unsharded = False
-        if not self.placement.keep_model_weights:
+        if free_storage and not self.placement.keep_model_weights:
             self.buffers.unsharded.free()
 
     def use_unsharded_params(self) -> None:

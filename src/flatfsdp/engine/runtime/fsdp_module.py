@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from flatfsdp.engine.runtime.conversion import adopt_converted
+from flatfsdp.engine.runtime.torch_fsdp2_view import Fsdp2StateView, file_torch_state
 from flatfsdp.engine.runtime.unit_state import UnitState
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -34,6 +35,24 @@ class UnshardHandle:
             self._state = None
 
 
+# torch 2.15 added the handle type; on older torch ours stands alone (same method).
+_TorchGradientReductionHandle = getattr(torch.distributed.fsdp, "GradientReductionHandle", object)
+
+
+class GradientReductionHandle(_TorchGradientReductionHandle):
+    """Returned by ``finalize_backward(async_op=True)``: ``wait()`` blocks until
+    the gradient reductions landed, and ends the backward iteration. Wait
+    before reading the gradients or running the model again."""
+
+    def __init__(self, context: Any):
+        self._context = context
+
+    def wait(self) -> None:
+        context, self._context = self._context, None
+        if context is not None:
+            context.end_backward_iteration()
+
+
 class FSDPModule(TorchFSDPModule):
     """Mixin added to every sharded unit's class. Methods act on this unit and,
     where they take ``recurse``, on the sharded units below it.
@@ -47,7 +66,7 @@ class FSDPModule(TorchFSDPModule):
     _flatfsdp_state: UnitState
     _orig_cls_mro_index = 3  # FSDP<Class>, this class, torch's FSDPModule, Class
 
-    def _get_fsdp_state(self) -> "Fsdp2StateView":
+    def _get_fsdp_state(self) -> Fsdp2StateView:
         """What torch's helpers (``register_fsdp_forward_method``) call into."""
         return Fsdp2StateView(self._flatfsdp_state)
 
@@ -87,6 +106,14 @@ class FSDPModule(TorchFSDPModule):
         """Release the gathered parameters; the module shows its sharded DTensors again."""
         self._flatfsdp_state.reshard()
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """True: releasing the gathered weights keeps their storage, so every
+        gather lands at the same addresses (CUDA graph capture), at the cost
+        of holding the unsharded weights throughout."""
+        _require_bool("set_keep_unsharded_storage", keep)
+        for state in self._states(recurse):
+            state.controls.keep_unsharded_storage = keep
+
     def reset_iter_state(self) -> None:
         """After an exception cut a forward or backward short: forget that step
         (called on the root)."""
@@ -98,6 +125,51 @@ class FSDPModule(TorchFSDPModule):
             state.context.reset_iter_state()
 
     # ---- gradient synchronisation ------------------------------------------------------
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """True (on the root): the end of a backward neither waits for gradient
+        reductions nor starts those of units whose hooks did not fire; call
+        ``finalize_backward`` after the last backward of the step (FSDP2's
+        contract: torch 2.15's pipeline stages do). Set it before backward."""
+        _require_bool("set_manual_backward_finalization", enabled)
+        state = self._flatfsdp_state
+        if state.context is not None and not state.is_root:
+            raise RuntimeError(f"set_manual_backward_finalization must be called on the root sharded module, not "
+                               f"on '{state.path}' ({type(self).__name__})")
+        context = state.context
+        if context is not None and context.manual_finalization_active not in (None, enabled):
+            raise RuntimeError("set_manual_backward_finalization cannot change mode after backward starts; "
+                               "finalize_backward (or reset_iter_state) first")
+        state.controls.manual_backward_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """After the last backward (manual finalization on): reduce the
+        gradients accumulated but not yet reduced (where gradient sync is on),
+        release weights as ``set_reshard_after_backward`` says, and wait for
+        every reduction -- or, with ``async_op=True``, return a handle whose
+        ``wait()`` does. A no-op before the first forward."""
+        state = self._flatfsdp_state
+        context = state.context
+        if context is None:
+            return GradientReductionHandle(None) if async_op else None
+        if not state.is_root:
+            raise RuntimeError(f"finalize_backward must be called on the root sharded module, not on "
+                               f"'{state.path}' ({type(self).__name__})")
+        if context.reduction_pending:
+            raise RuntimeError("the previous finalize_backward(async_op=True) handle must be waited on before "
+                               "finalizing backward again")
+        manual = context.manual_finalization_active
+        if not (state.controls.manual_backward_finalization if manual is None else manual):
+            raise RuntimeError("finalize_backward requires manual backward finalization: call "
+                               "set_manual_backward_finalization(True) on the root before forward")
+        if context.in_backward:
+            raise RuntimeError("finalize_backward must be called after backward completes")
+        context.finalize_backward()
+        if not async_op:
+            context.end_backward_iteration()
+            return None
+        context.reduction_pending = True
+        return GradientReductionHandle(context)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates unsharded gradients locally and communicates
@@ -269,28 +341,6 @@ class FSDPModule(TorchFSDPModule):
                 yield state
 
 
-class Fsdp2StateView:
-    """The few members of FSDP2's per-module state that torch's public helpers
-    use, answered by this engine's unit."""
-
-    def __init__(self, state: UnitState):
-        self._state = state
-
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return self._state._pre_forward(module, args, kwargs)
-
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        return self._state._post_forward(module, args, {}, output)
-
-    @property
-    def _fsdp_param_groups(self) -> list:
-        return self._state.groups
-
-    @property
-    def _fsdp_param_group(self):
-        return self._state.groups[0] if self._state.groups else None
-
-
 def _require_bool(method: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{method} takes a bool, got {type(value).__name__}")
@@ -334,3 +384,4 @@ def become_fsdp_module(module: nn.Module, state: UnitState) -> None:
         _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
     module._flatfsdp_state = state
     module.__class__ = _CLASS_CACHE[cls]
+    file_torch_state(module, state)

@@ -36,7 +36,8 @@ class ScheduledUnit(Protocol):
     _forwarded: set
 
     def needs_post_backward(self) -> bool: ...
-    def post_backward(self) -> None: ...
+    def post_backward(self, *, defer_reduction: bool = False) -> None: ...
+    def reduce_accumulated(self) -> None: ...
     def finish_forward(self, context: "RootContext") -> None: ...
     def reshard(self) -> None: ...
 
@@ -65,6 +66,11 @@ class RootContext:
         # prefetch) and the last complete step's (for forward prefetch).
         self._order: list["ScheduledUnit"] = []
         self._last_order: list["ScheduledUnit"] = []
+        self.manual_finalization_active: bool | None = None
+        """The root's ``manual_backward_finalization`` as it was when this
+        backward began (fixed until the iteration is finalized); None between iterations."""
+        self.reduction_pending = False
+        """``finalize_backward(async_op=True)`` returned a handle not yet waited on."""
 
     # ---- reductions in flight ----------------------------------------------------------
 
@@ -80,22 +86,49 @@ class RootContext:
         if self.in_backward:
             return
         self.in_backward = True
+        if self.manual_finalization_active is None:
+            self.manual_finalization_active = self.root.controls.manual_backward_finalization
         # Runs once autograd has finished the whole backward, whichever units'
         # hooks did or did not fire.
         Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
+        manual = bool(self.manual_finalization_active)
         with record_function("flatfsdp::finish_backward"):
             for state in reversed(self.states):
                 if state.needs_post_backward():
-                    state.post_backward()
-            if self.root.controls.is_last_backward and (self.sync_each_microbatch or not self._bound_optimizers_wait()):
+                    # Manual finalization (FSDP2's): reductions of units whose
+                    # hook did not fire wait for finalize_backward.
+                    state.post_backward(defer_reduction=manual)
+            if not manual and self.root.controls.is_last_backward and (
+                    self.sync_each_microbatch or not self._bound_optimizers_wait()):
                 self.wait_reductions()
             for state in self.states:
                 if state.controls.reshard_after_backward:
                     state.reshard()
                 state.training_state = TrainingState.IDLE
             self.in_backward = False
+            if not manual:
+                self.manual_finalization_active = None
+
+    def finalize_backward(self) -> None:
+        """The caller ends the backward iteration (FSDP2's manual finalization,
+        and torch's pipeline stages): gradients accumulated but not yet
+        reduced are reduced now where synchronisation is on, units release
+        their weights as ``reshard_after_backward`` says. The reductions are
+        in flight on return; ``end_backward_iteration`` waits for them."""
+        with record_function("flatfsdp::finalize_backward"):
+            for state in reversed(self.states):
+                state.reduce_accumulated()
+                if state.controls.reshard_after_backward:
+                    state.reshard()
+                state.training_state = TrainingState.IDLE
+
+    def end_backward_iteration(self) -> None:
+        """Wait for the iteration's reductions: every ``.grad`` is final."""
+        self.wait_reductions()
+        self.reduction_pending = False
+        self.manual_finalization_active = None
 
     def _bound_optimizers_wait(self) -> bool:
         """Whether every gradient still in flight belongs to parameters that a
@@ -118,6 +151,8 @@ class RootContext:
         """Forget a step cut short by an exception: release every unit and
         return to idle, so the next forward starts clean."""
         self.root_forward_running = self.in_backward = False
+        self.manual_finalization_active = None
+        self.reduction_pending = False
         for state in self.states:
             state._forwarded.clear()
             state.reshard()
@@ -126,6 +161,9 @@ class RootContext:
     def before_root_forward(self) -> None:
         """A new forward: reductions left running by an unsynced step land
         first, and the order recorded last time guides this step's prefetch."""
+        if self.reduction_pending:
+            raise RuntimeError("finalize_backward(async_op=True) returned a handle that was not waited on: call "
+                               "its wait() before the next forward")
         self.wait_reductions()
         if self._order:
             self._last_order, self._order = self._order, []

@@ -37,6 +37,13 @@ class UnitControls:
     post_optim_event: Any = None
     """An event the next gather waits for (the optimizer step's end)."""
     unshard_async_op: bool = False
+    manual_backward_finalization: bool = False
+    """Read on the root (FSDP2's ``set_manual_backward_finalization``): the
+    backward's end neither waits for reductions nor reduces for units whose
+    hook did not fire; ``finalize_backward`` does."""
+    keep_unsharded_storage: bool = False
+    """Releasing the gathered weights keeps their storage (same addresses at
+    the next gather, e.g. for CUDA graphs), at the cost of holding it."""
     is_last_backward: bool = True
     """Read on the root: False means more microbatches follow before the
     optimizer step, so the backward's end need not wait for its reductions."""

@@ -151,7 +151,7 @@ class UnitState:
         with record_function(self.label("reshard")):
             self.wait_unshard()
             for group in self.groups:
-                group.reshard()
+                group.reshard(free_storage=not self.controls.keep_unsharded_storage)
                 group.use_sharded_params()
             self._swapped_in = False
 
@@ -258,23 +258,31 @@ class UnitState:
     def needs_post_backward(self) -> bool:
         return self._swapped_in or any(p.grad is not None for g in self.groups for p in g.params)
 
-    def post_backward(self) -> None:
+    def post_backward(self, *, defer_reduction: bool = False) -> None:
+        """Autograd's gradients into the accumulation buffer; reduced now if
+        gradient sync is on (and the reduction not deferred to ``finalize_backward``)."""
         with record_function(self.label("post_backward")):
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
                 group.gradients.accumulate(self.controls.reduce_scatter_unused_params)
-            if self.requires_grad_sync:
-                for group in self.groups:
-                    controls = self.controls
-                    request = group.gradients.reduction_request(self.average_grads, controls.gradient_divide_factor,
-                                                                controls.all_reduce_hook,
-                                                                all_reduce=controls.requires_all_reduce,
-                                                                defer_to_step=not self.sync_each_microbatch)
-                    if request is not None:
-                        request.unit = self.path or "<root>"
-                        self.context.submit_reduction(request)
+            if not defer_reduction:
+                self.reduce_accumulated()
             if self.controls.reshard_after_backward:
                 self.reshard()
+
+    def reduce_accumulated(self) -> None:
+        """Hand the gradients accumulated so far to reduction, if gradient sync is on."""
+        if not self.requires_grad_sync:
+            return
+        controls = self.controls
+        for group in self.groups:
+            request = group.gradients.reduction_request(self.average_grads, controls.gradient_divide_factor,
+                                                        controls.all_reduce_hook,
+                                                        all_reduce=controls.requires_all_reduce,
+                                                        defer_to_step=not self.sync_each_microbatch)
+            if request is not None:
+                request.unit = self.path or "<root>"
+                self.context.submit_reduction(request)
 
     # ---- root discovery -----------------------------------------------------------------
 
@@ -294,6 +302,10 @@ class UnitState:
         for module in self.modules:
             check_params_stay_in_units(module)
         check_no_stale_optimizer(states)
+        for state in states:
+            if state is not self and state.controls.manual_backward_finalization:
+                raise RuntimeError(f"set_manual_backward_finalization must be called on the root sharded module; "
+                                   f"unit '{state.path}' is not the root ('{self.path or '<root>'}' is)")
         context = RootContext(self, states)
         for state in states:
             state.context = context
