@@ -60,7 +60,10 @@ class SubclassGroup:
                 modules=[s.locations[0][0] for s in slots], mp_policy=_fsdp2_policy(policy),
                 param_dtypes=[param_dtype] * len(slots), requires_grad=[s.param.requires_grad for s in slots],
                 device=device)
-            # The full-size originals are dropped: a meta stand-in records each one's shape and flags.
+            # The full-size originals are dropped (an optimizer built on them
+            # still finds them, see ``originals``); a meta stand-in records each
+            # one's shape and flags.
+            self._originals = [weakref.ref(s.param) for s in slots]
             slots = [_with_stand_in(s) for s in slots]
         self.slots = slots
         self.params: list[nn.Parameter] = [s.param for s in slots]
@@ -103,6 +106,14 @@ class SubclassGroup:
         shape = torch.Size(p.shape)
         return (self.placement.dtensor_mesh(slot.fqn), self.placement.dtensor_placements(p, None),
                 dict(shape=shape, stride=contiguous_strides(tuple(shape)), run_check=False))
+
+    def originals(self) -> list[nn.Parameter]:
+        """The parameters as the user built them, where still alive (an
+        optimizer built before sharding holds them), else their stand-ins."""
+        if self.plan is None:
+            return [s.param for s in self.slots]
+        alive = [ref() for ref in self._originals]
+        return [s.param if original is None else original for original, s in zip(alive, self.slots)]
 
     def sharded_locals(self) -> list[torch.Tensor]:
         """Each sharded parameter's local tensor, read afresh: the object may
