@@ -147,6 +147,15 @@ def subclass_worker(rank, world, everything: bool):
     out["one_unit_numel"] = sum(p.numel() for p in net.blocks[1].parameters())
     out["computes_with"] = type(net.blocks[1].fc1.weight).__name__
     net.blocks[1].reshard()
+    # The state dict holds the subclass chunks; a fresh sharded model loads them and computes the same.
+    fresh = _per_module(_float8_net(True), flatfsdp.fully_shard, mesh)
+    fresh.load_state_dict(net.state_dict())
+    probe = data[0][0][:16]
+    out["state_dict_same"] = torch.equal(fresh(probe), net(probe))
+    out["state_dict_class"] = type(net.state_dict()["blocks.0.fc1.weight"]._local_tensor).__name__
+    if not everything:  # HSDP: chunks over 2 ranks, replicated twice
+        hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        out["hsdp"] = _train(_per_module(_float8_net(True), flatfsdp.fully_shard, hsdp), data, rank, world)[0]
     if everything:
         out.update(_one_call_strategies(rank, world, data))
         out.update(_qlora(rank, world, mesh))
@@ -294,6 +303,9 @@ def test_float8_all_gather_trains_like_unsharded_float8(runs):
         assert out[("precomputed", precompute)] is precompute
         assert _gap(out[("fp8", precompute)], reference) <= allowed * 1.05 + 1e-6, (world, precompute, out)
     assert out[("fp8", False)][-1] < out[("fp8", False)][0] - 0.3  # it trains
+    assert out["state_dict_same"] and out["state_dict_class"] == "WeightWithDynamicFloat8CastTensor"
+    if world == 4:
+        assert _gap(out["hsdp"], reference) <= allowed * 1.05 + 1e-6, out["hsdp"]
 
 
 def test_float8_gather_moves_one_byte_per_element(runs):
