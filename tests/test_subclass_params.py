@@ -10,7 +10,6 @@ and stock FSDP2 runs the same scripts where it can on gloo.
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
