@@ -58,17 +58,19 @@ def gather(requests: list[GatherRequest], *, async_op: bool, bucket_bytes: int,
 
 
 def _gather_bucket(members: list[GatherRequest], async_op: bool, stream: SideStream | None) -> Pending:
-    if len(members) == 1:
+    if len(members) == 1 and members[0].plan.gathers_in_place:
         only = members[0]
         pending = gather_group(only.plan, only.group, async_op=async_op, stream=stream)
         pending.then.extend(only.then)
         return pending
     # One byte row per rank holding every member's local buffer back to back;
-    # each member's part of the gathered rows is copied into place.
+    # each member's part of the gathered rows is copied into place. (Plans of
+    # parameters that gather themselves always come this way: see
+    # groups/subclass_gather.)
     group, world, rank = members[0].group, members[0].group.size(), members[0].group.rank()
-    sizes = [m.plan.layout.shard_numel * m.plan.unsharded.element_size() for m in members]
+    sizes = [m.plan.row_bytes for m in members]
     total, offsets = sum(sizes), _offsets(sizes)
-    device = members[0].plan.unsharded.device
+    device = members[0].plan.device
     packed = torch.empty(world, total, dtype=torch.uint8, device=device)
     for m, off, size in zip(members, offsets, sizes):
         m.plan.pack(packed[rank, off:off + size].view(m.plan.dtype), m.plan.every)

@@ -61,6 +61,19 @@ class GatherPlan:
     def dtype(self) -> torch.dtype:
         return self.unsharded.dtype
 
+    gathers_in_place = True
+    """Gathered straight into the buffer parameters view (``gather``), not
+    necessarily through a packed row (see coalesce)."""
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of this rank's local buffer: its row in a packed gather."""
+        return self.layout.shard_numel * self.unsharded.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.unsharded.device
+
     def _own_slot(self, index: int) -> torch.Tensor:
         p = self.layout.params[index]
         if self.source_in_unsharded:

@@ -64,10 +64,9 @@ def _model_parameters(model: nn.Module) -> tuple[dict, dict]:
     for state in unit_states(model):
         replaced = {id(real): meta for real, meta in state.meta_originals.items()}
         for group in state.groups:
-            for slot, computed, sharded in zip(group.slots, group.params, group.sharded_params):
+            for original, computed, sharded in zip(group.originals(), group.params, group.sharded_params):
                 # A tensor-parallel parameter computes through a new DTensor;
                 # an optimizer built before sharding names the one it replaced.
-                original = slot.param
                 sharded_of[id(original)] = sharded
                 sharded_of[id(computed)] = sharded
                 if id(original) in replaced:

@@ -19,6 +19,8 @@ from flatfsdp.engine.layout.mesh import DataParallelMesh, data_parallel_dims, me
 from flatfsdp.engine.runtime.meta_init import materialize_meta
 from flatfsdp.engine.groups.param_group import ParamGroup
 from flatfsdp.engine.groups.slots import ParamSlot
+from flatfsdp.engine.groups.subclass_group import SubclassGroup
+from flatfsdp.engine.front.subclass_check import check_subclass_params, protocol_slots
 from flatfsdp.engine.layout.placement import GroupPlacement, TensorParallelSpec
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
 from flatfsdp.engine.runtime.state_dict import install_state_dict_hooks
@@ -62,17 +64,25 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     slots = [chosen for expert in (False, True)
              for chosen in _choose_placements([s for s in slots if (s.fqn in experts) == expert],
                                               meshes[expert], strategy, shard_block, shard_placement_fn, label)]
+    for expert in (False, True):
+        check_subclass_params([s for s in slots if (s.fqn in experts) == expert], unit=label,
+                              world=(meshes[expert] or mesh).shard.size(), offload=offload is not None)
+    protocol = protocol_slots(slots)
     meta_originals: dict = {}
     pending_init = materialize_meta(units, slots, device, meta_originals)
     own_dtype = {s.fqn for s in slots if policy.keeps_original_dtype(s.param, s.fqn)}
     groups = []
-    for (_dtype, _grad, replicated, _tp, expert, hybrid, keep), members in _group(slots, experts, mesh,
-                                                                                  own_dtype).items():
+    for (_dtype, _grad, replicated, _tp, expert, hybrid, keep, own), members in _group(slots, experts, mesh,
+                                                                                        own_dtype, protocol).items():
         tp_mesh = members[0].tp.mesh if members[0].tp is not None else None
         placement = GroupPlacement.resolve(strategy, meshes[expert], replicate=replicated, tp_mesh=tp_mesh,
                                            hybrid=hybrid)
-        groups.append(ParamGroup(members, placement=placement, policy=policy.for_original_dtype() if keep else policy,
-                                 device=device, offload=offload))
+        group_policy = policy.for_original_dtype() if keep else policy
+        if own:  # gathered through the parameters' own class (subclass_group)
+            groups.append(SubclassGroup(members, placement=placement, policy=group_policy, device=device))
+        else:
+            groups.append(ParamGroup(members, placement=placement, policy=group_policy, device=device,
+                                     offload=offload))
     for group in groups:
         group.use_sharded_params()
     state = UnitState(units, groups, policy=policy, reshard_after_forward=reshard_after_forward,
@@ -262,16 +272,17 @@ def _is_expert(param: nn.Parameter) -> bool:
 
 
 def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh,
-           own_dtype: set[str]) -> "OrderedDict[tuple, list[ParamSlot]]":
+           own_dtype: set[str], protocol: set[str]) -> "OrderedDict[tuple, list[ParamSlot]]":
     groups: OrderedDict[tuple, list[ParamSlot]] = OrderedDict()
     for slot in slots:
         tp_mesh = id(slot.tp.mesh) if slot.tp is not None else None
-        expert = slot.fqn in experts
+        expert, own = slot.fqn in experts, slot.fqn in protocol
         # HFSDP for what is chunked on dim 0 (see outer_shard); the rest --
-        # replicated, column-chunked or tensor-parallel -- stays HSDP.
-        hybrid = mesh.outer_shards_optimizer and not expert and slot.tp is None and slot.shard_dim == 0
+        # replicated, column-chunked, tensor-parallel or a subclass -- stays HSDP.
+        hybrid = (mesh.outer_shards_optimizer and not expert and slot.tp is None and slot.shard_dim == 0
+                  and not own)
         key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, expert, hybrid,
-               slot.fqn in own_dtype)
+               slot.fqn in own_dtype, own)
         groups.setdefault(key, []).append(slot)
     return groups
 

@@ -150,6 +150,10 @@ class ParamGroup:
         torch.utils.swap_tensors(param, nn.Parameter(local, requires_grad=param.requires_grad))
         self.sharded_params[index] = param
 
+    def originals(self) -> list[nn.Parameter]:
+        """The parameters as the user built them (their data now views the buffers)."""
+        return [s.param for s in self.slots]
+
     # ---- weights ------------------------------------------------------------------------
 
     @property

@@ -26,6 +26,9 @@ def adopt_converted(state, module: nn.Module) -> None:
 
 
 def _adopt(group: ParamGroup, state, module: nn.Module) -> ParamGroup:
+    if not isinstance(group, ParamGroup):
+        _check_subclass_unconverted(group, module)
+        return group
     inside = {id(m) for m in module.modules()}
     converted = []
     for slot, sharded in zip(group.slots, group.sharded_params):
@@ -56,6 +59,21 @@ def _adopt(group: ParamGroup, state, module: nn.Module) -> ParamGroup:
         group.refresh_views()
     target.note_weights_written()
     return target
+
+
+def _check_subclass_unconverted(group, module: nn.Module) -> None:
+    """A group of subclass parameters (subclass_group) holds the subclass's own
+    local tensors: a conversion that changed one's dtype or device, or put
+    another tensor in its place, is refused by name rather than half-applied."""
+    inside = {id(m) for m in module.modules()}
+    for slot, sharded in zip(group.slots, group.sharded_params):
+        values = [m._parameters.get(attr) for m, attr in slot.locations if id(m) in inside] or [sharded]
+        local = sharded._local_tensor
+        if any(v is not sharded for v in values) or local.dtype != slot.param.dtype or \
+                local.device.type != group.compute_device.type:
+            raise NotImplementedError(
+                f"converting parameter '{slot.fqn}' ({type(local).__name__}) after fully_shard is not supported: "
+                "convert the model before sharding it")
 
 
 def _rebuilt(group: ParamGroup, state, dtype: torch.dtype, device: torch.device) -> ParamGroup:

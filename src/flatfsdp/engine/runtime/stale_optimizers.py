@@ -32,11 +32,11 @@ def _replaced_parameters(states: list) -> dict[int, str]:
         for group in state.groups:
             if not group.trainable:
                 continue
-            for slot in group.slots:
+            for slot, original in zip(group.slots, group.originals()):
                 name = f"'{state.path}.{slot.fqn}'" if state.path else f"'{slot.fqn}'"
-                names[id(slot.param)] = name
-                if id(slot.param) in meta_of:
-                    names[id(meta_of[id(slot.param)])] = name
+                names[id(original)] = name
+                if id(original) in meta_of:
+                    names[id(meta_of[id(original)])] = name
         names.update({key: f"'{name}' (a plain tensor assigned after fully_shard: its value was taken into the "
                            "sharded parameter; assign a DTensor placed like it to keep your object, or build the "
                            "optimizer after the first forward)"

@@ -1,0 +1,93 @@
+"""The buffers of a group of protocol parameters (see subclass_gather): only
+the gradient path is flat.
+
+The main weights are the parameters' own sharded local tensors -- instances
+of their subclass (a float8 cast wrapper around fp32 rows, NF4 codes and
+scales), which only the subclass knows how to build, so they cannot be views
+of a flat buffer. What the module computes with is what the subclass's
+post-all-gather rebuilds from the gathered outputs. Gradients are plain
+tensors: they take the flat path every group takes (rank-major accumulation,
+reduce-scatter, main grads viewed by the ``.grad`` DTensors).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from flatfsdp.engine.groups.buffers import GroupBuffers, _distinct_storage_bytes
+from flatfsdp.engine.groups.subclass_gather import SubclassGatherPlan, inner_tensors
+from flatfsdp.engine.layout.arithmetic import GroupLayout
+from flatfsdp.engine.layout.placement import GroupPlacement
+
+
+class SubclassBuffers(GroupBuffers):
+    """``GroupBuffers`` without the weight buffers: ``main_chunk`` is the
+    parameter's sharded local tensor, the gathered weights are the plan's outputs."""
+
+    def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
+                 main_dtype: torch.dtype, reduce_dtype: torch.dtype, trainable: bool,
+                 locals_: Callable[[], list[torch.Tensor]], plan: SubclassGatherPlan | None):
+        # Not GroupBuffers.__init__: it would allocate the flat weight buffers.
+        self.layout, self.placement, self.index = layout, placement, index
+        self.pg = placement.mesh.get_group()
+        outer = placement.dp.outer
+        self.outer_pg = outer.get_group() if outer is not None and outer.size() > 1 else None
+        self.compute_device, self.offload = device, None
+        self.reduce_dtype = reduce_dtype
+        self.outer_shard = None
+        self.main_in_unsharded = False
+        self._locals = locals_
+        self.gather_plan = plan
+        self.grads = self.main_grad = self.main_grad_buffer = self.scratch_grad = None
+        self.grads_aliased = False
+        if trainable:
+            self._allocate_grads(device, main_dtype)
+
+    def main_chunk(self, index: int) -> torch.Tensor:
+        """The parameter's sharded local tensor (an instance of its subclass)."""
+        return self._locals()[index]
+
+    # ---- accounting ---------------------------------------------------------------------
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.gather_plan.gathered_bytes() if self.gather_plan is not None else 0
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        return [t for local in self._locals() for t in inner_tensors(local)]
+
+    def _gathered_tensors(self) -> list[torch.Tensor]:
+        return self.gather_plan.held() if self.gather_plan is not None else []
+
+    def persistent_bytes_by_role(self) -> dict[str, int]:
+        grads: list[torch.Tensor] = []
+        released = 0
+        if self.main_grad is not None:
+            if self.main_grad_buffer is not None and not self.main_grad_buffer.is_allocated:
+                released = self.main_grad.numel() * self.main_grad.element_size()
+            else:
+                grads.append(self.main_grad)
+            if self.placement.keep_grad_buffer:
+                grads.append(self.grads.data)
+        seen: dict[int, torch.UntypedStorage] = {}
+        main_bytes = _distinct_storage_bytes(self._weight_tensors(), seen)
+        kept = self._gathered_tensors() if self.placement.keep_model_weights else []
+        model_bytes = _distinct_storage_bytes(kept, seen)
+        return {"main weights": main_bytes, "model weights": model_bytes,
+                "gradients": _distinct_storage_bytes(grads, seen) + released}
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        held = self._weight_tensors() + ([self.main_grad] if self.main_grad is not None else [])
+        return held + self.flat_buffers()
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        buffers = [b.data for b in (self.grads, self.main_grad_buffer, self.scratch_grad) if b is not None]
+        return buffers + self._gathered_tensors()
+
+    def allocated_bytes(self) -> int:
+        tensors = self._weight_tensors() + self._gathered_tensors()
+        if self.main_grad is not None:
+            tensors += [self.grads.data, self.main_grad, self.scratch_grad.data]
+        return _distinct_storage_bytes(tensors)

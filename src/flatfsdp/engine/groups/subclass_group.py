@@ -1,0 +1,207 @@
+"""One unit's parameters whose class gathers itself (FSDP2's all-gather
+extension: torchao's float8 weights, NF4 base weights), sharing
+requires_grad and placement. The same face to the runtime as ``ParamGroup``
+(unshard, reshard, gradients), different insides:
+
+* the optimizer steps a DTensor whose local tensor is this rank's chunk *as
+  an instance of the subclass*, made the way FSDP2 makes it (the subclass's
+  own ``split`` / ``new_zeros`` / ``copy_``), so its optimizer state, its
+  checkpoints and torchao's helpers (``precompute_float8_dynamic_scale_for_fsdp``)
+  see what they see under FSDP2;
+* gathering runs the subclass's pre-all-gather on that local tensor, moves
+  the inputs as bytes (subclass_gather) and rebuilds the computed-with
+  parameter with its post-all-gather;
+* gradients are plain tensors and take the flat path (subclass_buffers).
+
+Sharded only on dim 0, in equal chunks (what the protocol's implementations
+assume); anything else is refused at ``fully_shard`` (see subclass_params).
+Replicated groups (NO_SHARD) gather nothing: the module computes with the
+parameter itself, whose storage the optimizer's DTensor shares.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flatfsdp.engine.comm.coalesce import GatherRequest
+from flatfsdp.engine.groups.gradients import GroupGradients
+from flatfsdp.engine.groups.slots import ParamSlot, contiguous_strides
+from flatfsdp.engine.groups.subclass_buffers import SubclassBuffers
+from flatfsdp.engine.groups.subclass_gather import SubclassGatherPlan
+from flatfsdp.engine.layout.arithmetic import build_group_layout
+from flatfsdp.engine.layout.placement import GroupPlacement
+from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
+
+
+class SubclassGroup:
+    def __init__(self, slots: list[ParamSlot], *, placement: GroupPlacement, policy: MixedPrecisionPolicy,
+                 device: torch.device):
+        self.placement = placement
+        self.index = placement.mesh.get_group().rank() if placement.sharded else 0
+        original = slots[0].param.dtype
+        self.trainable = slots[0].param.requires_grad and original.is_floating_point
+        self.offload = None
+        self.compute_device = device
+        # The main weights are the subclass's own: gradients match their dtype.
+        self.main_dtype = original
+        self.reduce_dtype = policy.grad_reduce_dtype(original)
+        param_dtype = policy.compute_dtype(original)
+        world = placement.world
+        self.layout = build_group_layout([s.local_shape for s in slots], world, [s.shard_dim for s in slots])
+        locals_ = [self._local_chunk(s.param.detach(), world) for s in slots]
+        self.plan = None
+        if placement.sharded:
+            self.plan = SubclassGatherPlan(
+                mesh=placement.mesh, world=world, shapes=[s.param.shape for s in slots],
+                modules=[s.locations[0][0] for s in slots], mp_policy=_fsdp2_policy(policy),
+                param_dtypes=[param_dtype] * len(slots), requires_grad=[s.param.requires_grad for s in slots],
+                device=device)
+            # The full-size originals are dropped (an optimizer built on them
+            # still finds them, see ``originals``); a meta stand-in records each
+            # one's shape and flags.
+            self._originals = [weakref.ref(s.param) for s in slots]
+            slots = [_with_stand_in(s) for s in slots]
+        self.slots = slots
+        self.params: list[nn.Parameter] = [s.param for s in slots]
+        """What the module computes with: the rebuilt parameter once gathered
+        (a replicated group: the original parameter itself)."""
+        self.sharded_params: list[nn.Parameter] = []
+        grad_dtensors = []
+        self.buffers = SubclassBuffers(self.layout, placement, index=self.index, device=device,
+                                       main_dtype=self.main_dtype, reduce_dtype=self.reduce_dtype,
+                                       trainable=self.trainable, locals_=self.sharded_locals, plan=self.plan)
+        for index, local in enumerate(locals_):
+            mesh, placements, spec = self._dtensor_spec(index)
+            with torch.no_grad():
+                sharded = DTensor.from_local(local, mesh, placements, **spec)
+            self.sharded_params.append(nn.Parameter(sharded, requires_grad=slots[index].param.requires_grad))
+            if self.trainable:
+                grad = self.buffers.main_view(self.buffers.main_grad, index)
+                grad_dtensors.append(DTensor.from_local(grad, mesh, placements, **spec))
+        self.bound_optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.gradients = GroupGradients(self.buffers, self.slots, self.params, self.sharded_params, grad_dtensors,
+                                        self.bound_optimizers)
+        self._written = 0
+        self._synced: tuple | None = None
+        self._unsharded = False
+        self._swapped_in = False
+
+    def _local_chunk(self, full: torch.Tensor, world: int) -> torch.Tensor:
+        """This rank's rows as the subclass builds them (FSDP2's sequence:
+        chunk, a zeroed tensor of the chunk's shape, copy)."""
+        if not self.placement.sharded:
+            return full
+        chunk = torch.chunk(full, world, dim=0)[self.index]
+        with torch.no_grad():
+            local = full.new_zeros(chunk.shape)
+            local.copy_(chunk)
+        return local
+
+    def _dtensor_spec(self, index: int) -> tuple:
+        p, slot = self.layout.params[index], self.slots[index]
+        shape = torch.Size(p.shape)
+        return (self.placement.dtensor_mesh(slot.fqn), self.placement.dtensor_placements(p, None),
+                dict(shape=shape, stride=contiguous_strides(tuple(shape)), run_check=False))
+
+    def originals(self) -> list[nn.Parameter]:
+        """The parameters as the user built them, where still alive (an
+        optimizer built before sharding holds them), else their stand-ins."""
+        if self.plan is None:
+            return [s.param for s in self.slots]
+        alive = [ref() for ref in self._originals]
+        return [s.param if original is None else original for original, s in zip(alive, self.slots)]
+
+    def sharded_locals(self) -> list[torch.Tensor]:
+        """Each sharded parameter's local tensor, read afresh: the object may
+        be replaced (a load, ``adopt_sharded_param``) or given attributes
+        (torchao's precomputed float8 scale) between gathers."""
+        return [p._local_tensor for p in self.sharded_params]
+
+    def refresh_views(self) -> None:
+        """Nothing views a flat buffer here; kept for the group interface."""
+
+    def adopt_sharded_param(self, index: int, param: nn.Parameter) -> None:
+        """The DTensor ``param`` (placed as ours, its values already copied into
+        our local tensor) becomes sharded parameter ``index``: its contents are
+        swapped for ours, the object (which an optimizer may hold) is kept."""
+        ours = self.sharded_params[index]
+        param.grad = None
+        torch.utils.swap_tensors(param, nn.Parameter(ours.detach(), requires_grad=param.requires_grad))
+        self.sharded_params[index] = param
+
+    # ---- weights ------------------------------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._unsharded
+
+    def note_weights_written(self) -> None:
+        self._written += 1
+
+    def _stamp(self) -> tuple:
+        """Changes whenever the sharded weights may have changed (see ParamGroup._stamp)."""
+        delivered = 0 if len(self.bound_optimizers) else self.gradients.delivered
+        return self._written, sum(p._version for p in self.sharded_params), delivered
+
+    def gather_request(self) -> GatherRequest | None:
+        """Run the pre-all-gathers and say what to gather (None: nothing to
+        communicate -- already gathered, replicated, or the kept copy is current)."""
+        if self._unsharded:
+            return None
+        self._unsharded = True
+        if self.plan is None:
+            return None
+        if self.placement.keep_model_weights and self._synced is not None and self._synced == self._stamp():
+            return None
+        self.plan.prepare(self.sharded_locals())
+        return GatherRequest(self.plan, self.buffers.pg, then=[self._gathered])
+
+    def _gathered(self) -> None:
+        self._synced = self._stamp()
+        for index, param in enumerate(self.plan.unsharded):
+            self.params[index] = param
+        if self._swapped_in:
+            self._install(self.params)
+
+    def reshard(self, free_storage: bool = True) -> None:
+        """``free_storage=False``: FSDP2's ``set_keep_unsharded_storage``."""
+        self._unsharded = False
+        if free_storage and self.plan is not None and not self.placement.keep_model_weights:
+            self.plan.free()
+
+    def use_unsharded_params(self) -> None:
+        """The rebuilt parameters go in once the first gather has made them
+        (``_gathered``); after that they are the same objects every time."""
+        self._swapped_in = True
+        if self.plan is None or all(p is not None for p in self.plan.unsharded):
+            self._install(self.params)
+
+    def use_sharded_params(self) -> None:
+        self._swapped_in = False
+        self._install(self.sharded_params)
+
+    def _install(self, params: list[nn.Parameter]) -> None:
+        for slot, param, sharded in zip(self.slots, params, self.sharded_params):
+            if param is not sharded and param.requires_grad != sharded.requires_grad:
+                if sharded.requires_grad and not self.trainable:
+                    raise ValueError(f"parameter '{slot.fqn}' was frozen (requires_grad=False) when it was sharded "
+                                     "and has been unfrozen since: set requires_grad before fully_shard")
+                param.requires_grad_(sharded.requires_grad)
+            for module, attr in slot.locations:
+                module._parameters[attr] = param
+
+
+def _with_stand_in(slot: ParamSlot) -> ParamSlot:
+    stand_in = nn.Parameter(torch.empty(slot.param.shape, dtype=slot.param.dtype, device="meta"),
+                            requires_grad=slot.param.requires_grad)
+    return ParamSlot(slot.fqn, stand_in, slot.locations, slot.keys, slot.shard_dim, slot.tp)
+
+
+def _fsdp2_policy(policy: MixedPrecisionPolicy):
+    """FSDP2's policy object, for pre-all-gathers that take one (they read ``param_dtype``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
+    return FSDP2Policy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
