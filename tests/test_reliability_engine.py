@@ -198,8 +198,9 @@ def test_a_nonfinite_step_is_reported_with_step_ranks_and_parameters():
 
 # ---- a collective that never completes ------------------------------------------------------------
 
-def one_sided_forward_worker(rank, world, flag_dir):
-    os.environ[flatfsdp.TIMEOUT_ENV] = "3"
+def one_sided_forward_worker(rank, world, flag_dir, env_timeout="3"):
+    if env_timeout is not None:
+        os.environ[flatfsdp.TIMEOUT_ENV] = env_timeout
     model = make_model(cfg=SMALL)
     flatfsdp.fully_shard(model, fsdp_unit_modules=[TransformerBlock])
     done = os.path.join(flag_dir, "rank0-done")
@@ -218,3 +219,20 @@ def test_a_forward_on_one_rank_fails_in_seconds_naming_unit_phase_and_rank(tmp_p
     assert message.startswith("unit '<root>': forward gather (all_gather) on rank 0 waited 3 s: "
                               "rank(s) 1 did not arrive")
     assert "FLATFSDP_TIMEOUT=3" in message
+
+
+def test_the_process_groups_own_timeout_rules_when_it_is_shorter(tmp_path):
+    """init_process_group(timeout=3 s) and no FLATFSDP_TIMEOUT: the engine's wait
+    ends after the group's 3 s (not its own 300 s), naming unit, phase and rank."""
+    start = time.monotonic()
+    kind, message = run_ranks(one_sided_forward_worker, 2, str(tmp_path), None, timeout=120, group_timeout_s=3)[0]
+    assert kind == "CollectiveTimeout"
+    assert message.startswith("unit '<root>': forward gather (all_gather) on rank 0 waited 3 s: "
+                              "rank(s) 1 did not arrive")
+    assert "Limit: the process group's timeout of 3 s" in message
+    assert time.monotonic() - start < 60  # without the rule: 300 s, cut off by run_ranks' timeout
+
+
+def test_flatfsdp_timeout_still_rules_when_it_is_shorter_than_the_groups(tmp_path):
+    kind, message = run_ranks(one_sided_forward_worker, 2, str(tmp_path), "2", timeout=120, group_timeout_s=600)[0]
+    assert kind == "CollectiveTimeout" and "waited 2 s" in message and "FLATFSDP_TIMEOUT=2" in message
