@@ -35,7 +35,7 @@ LAYERS = {
     "runtime.training_state": 0, "runtime.unit_controls": 0, "runtime.structures": 1, "runtime.host_memory": 1,
     "runtime.root_context": 5, "runtime.unit_state": 5, "runtime.fsdp_module": 5, "runtime.meta_init": 5,
     "runtime.tied_params": 5, "runtime.state_dict": 5, "runtime.stale_optimizers": 5, "runtime.conversion": 5,
-    "runtime.replaced_params": 5,
+    "runtime.replaced_params": 5, "runtime.nonfinite_flag": 1,
     "front.fsdp2_args": 6, "front.unit_classes": 6, "front.shard_unit": 6, "front.optimizer": 6,
     "front.memory": 6, "front.finite_check": 6,
     "front.api": 7,

@@ -236,3 +236,55 @@ def test_the_process_groups_own_timeout_rules_when_it_is_shorter(tmp_path):
 def test_flatfsdp_timeout_still_rules_when_it_is_shorter_than_the_groups(tmp_path):
     kind, message = run_ranks(one_sided_forward_worker, 2, str(tmp_path), "2", timeout=120, group_timeout_s=600)[0]
     assert kind == "CollectiveTimeout" and "waited 2 s" in message and "FLATFSDP_TIMEOUT=2" in message
+
+
+# ---- NaN / inf in a user's own loop ---------------------------------------------------------------
+
+def _own_loop(rank, mode):
+    import warnings
+    model = make_model(cfg=SMALL)
+    flatfsdp.fully_shard(model, fsdp_unit_modules=[TransformerBlock])
+    if mode is not None:
+        flatfsdp.set_on_nonfinite(model, mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.arange(8)[None] % 64
+    out = {"error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for step in range(1, 6):
+                scale = float("inf") if (step in (2, 4) and rank == 1) else 1.0  # rank 1's data overflows
+                loss = model(tokens).float().logsumexp(-1).mean() * scale
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        except flatfsdp.NonFiniteError as exc:
+            out["error"] = (step, str(exc))
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, flatfsdp.NonFiniteWarning)]
+    return out
+
+
+def own_loop_nonfinite_worker(rank, world):
+    return {mode: _own_loop(rank, mode) for mode in (None, "error", "off")}
+
+
+@pytest.fixture(scope="module")
+def own_loop():
+    return run_ranks(own_loop_nonfinite_worker, 2)
+
+
+def test_a_nonfinite_gradient_in_a_users_loop_is_warned_once_naming_step_and_parameter(own_loop):
+    for out in own_loop:
+        default = out[None]
+        assert default["error"] is None
+        assert len(default["warnings"]) == 1, default["warnings"]  # steps 2 and 4 went wrong: one warning
+        assert default["warnings"][0].startswith("step 2: gradients are NaN/inf in 'tok_emb.weight'")
+        assert out["off"] == {"error": None, "warnings": []}
+
+
+def test_the_error_mode_stops_every_rank_before_the_next_forward(own_loop):
+    for out in own_loop:
+        step, message = out["error"]["error"]
+        assert step == 3  # raised at the start of the forward that follows the bad step
+        assert message.startswith("step 2: gradients are NaN/inf in 'tok_emb.weight'")
+        assert out["error"]["warnings"] == []

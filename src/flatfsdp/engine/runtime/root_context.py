@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
 from flatfsdp.engine.comm.coalesce import ReduceRequest
 from flatfsdp.engine.layout.device import SideStream
 from flatfsdp.engine.runtime.host_memory import release_free_host_memory
+from flatfsdp.engine.runtime.nonfinite_flag import NonFiniteWatch, resolve_mode
 from flatfsdp.engine.comm.reduction_queue import ReductionQueue
 from flatfsdp.engine.runtime.training_state import TrainingState
 from flatfsdp.engine.runtime.unit_controls import UnitControls
@@ -27,6 +29,7 @@ class ScheduledUnit(Protocol):
     their root context, so naming the class here would be an import circle)."""
 
     groups: list
+    module: torch.nn.Module
     controls: UnitControls
     training_state: TrainingState
     sync_each_microbatch: bool
@@ -65,10 +68,16 @@ class RootContext:
         # prefetch) and the last complete step's (for forward prefetch).
         self._order: list["ScheduledUnit"] = []
         self._last_order: list["ScheduledUnit"] = []
+        self.nonfinite = NonFiniteWatch()  # Note [the non-finite flag]
 
     # ---- reductions in flight ----------------------------------------------------------
 
-    def submit_reduction(self, request: ReduceRequest) -> None:
+    def submit_reduction(self, request: ReduceRequest, group=None) -> None:
+        if group is not None:
+            mode = resolve_mode(self.root.controls.on_nonfinite)
+            delivered = group.gradients.delivered
+            # Summed once delivered (HFSDP's deferred outer step delivers later, unseen here).
+            request.then.append(lambda: group.gradients.delivered != delivered and self.nonfinite.note(group, mode))
         self.reductions.submit(request)
 
     def wait_reductions(self) -> None:
@@ -96,6 +105,7 @@ class RootContext:
                     state.reshard()
                 state.training_state = TrainingState.IDLE
             self.in_backward = False
+            self.nonfinite.backwards += 1
 
     def _bound_optimizers_wait(self) -> bool:
         """Whether every gradient still in flight belongs to parameters that a
@@ -129,11 +139,17 @@ class RootContext:
         self.wait_reductions()
         if self._order:
             self._last_order, self._order = self._order, []
+        # Before release_consumed: a flagged group's main grads are still there to be named.
+        self.nonfinite.check(resolve_mode(self.root.controls.on_nonfinite), self._parameter_names,
+                             dist.group.WORLD if dist.is_initialized() else None)
         for state in self.states:
             for group in state.groups:
                 group.gradients.release_consumed()
         if self._on_host:
             release_free_host_memory()
+
+    def _parameter_names(self) -> dict:
+        return {id(p): name for name, p in self.root.module.named_parameters()}
 
     # ---- execution order -----------------------------------------------------------------
 

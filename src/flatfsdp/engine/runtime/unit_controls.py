@@ -37,6 +37,9 @@ class UnitControls:
     post_optim_event: Any = None
     """An event the next gather waits for (the optimizer step's end)."""
     unshard_async_op: bool = False
+    on_nonfinite: str | None = None
+    """Read on the root: "warn", "error" or "off" for NaN/inf gradients (None:
+    FLATFSDP_ON_NONFINITE, else "warn"); Note [the non-finite flag]."""
     is_last_backward: bool = True
     """Read on the root: False means more microbatches follow before the
     optimizer step, so the backward's end need not wait for its reductions."""
