@@ -37,7 +37,7 @@ LAYERS = {
     "runtime.tied_params": 5, "runtime.state_dict": 5, "runtime.stale_optimizers": 5, "runtime.conversion": 5,
     "runtime.replaced_params": 5, "runtime.nonfinite_flag": 1,
     "front.fsdp2_args": 6, "front.unit_classes": 6, "front.shard_unit": 6, "front.optimizer": 6,
-    "front.memory": 6, "front.finite_check": 6,
+    "front.memory": 6, "front.finite_check": 6, "front.optimizer_state": 6,
     "front.api": 7,
     "__init__": 8,
 }

@@ -288,3 +288,40 @@ def test_the_error_mode_stops_every_rank_before_the_next_forward(own_loop):
         assert step == 3  # raised at the start of the forward that follows the bad step
         assert message.startswith("step 2: gradients are NaN/inf in 'tok_emb.weight'")
         assert out["error"]["warnings"] == []
+
+
+# ---- an optimizer that stepped before sharding ----------------------------------------------------
+
+def stepped_optimizer_worker(rank, world):
+    from flatfsdp.models.gpt import lm_loss
+    from training import batches, full_params, make_optimizer, sharded_step
+    data = batches(5)
+    model = make_model()
+    opt = make_optimizer("adamw", model.named_parameters())
+    for x in data[:2]:  # two steps on the plain model, on the whole batch (every rank the same)
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=[TransformerBlock])
+    moment = opt.state[model.blocks[0].mlp.fc.weight]["exp_avg"]
+    out = {"moment": (type(moment).__name__, tuple(moment.to_local().shape), tuple(moment.shape))}
+    for x in data[2:]:
+        sharded_step(model, opt, x, rank, world)
+    out["params"] = full_params(model)
+    factored = make_model()
+    adafactor = torch.optim.Adafactor(factored.parameters(), lr=1e-2)
+    lm_loss(factored(data[0][:, :-1]), data[0][:, 1:]).backward()
+    adafactor.step()
+    out["factored"] = _error(lambda: flatfsdp.fully_shard(factored, adafactor, fsdp_unit_modules=[TransformerBlock]))
+    return out
+
+
+def test_state_of_an_optimizer_that_stepped_before_sharding_is_carried_into_the_shards():
+    from training import max_diff, train_reference
+    _, reference = train_reference(5, "adamw")
+    for out in run_ranks(stepped_optimizer_worker, 2):
+        assert out["moment"] == ("DTensor", (64, 32), (128, 32))  # each rank holds its chunk of Adam's moment
+        assert max_diff(out["params"], reference) < 2e-5  # trains on as the unsharded run does
+        kind, message = out["factored"]
+        assert kind == "ValueError"
+        assert message.startswith("Adafactor holds state 'row_var' of shape (64, 1) for parameter 'tok_emb.weight'")
