@@ -120,12 +120,18 @@ def _free_port() -> int:
 
 
 def _rank_main(fn, rank: int, world: int, port: int, backend: str | None, threads: int,
-               reports, args: tuple, collective_timeout_s: float | None = None) -> None:
+               reports, args: tuple, collective_timeout_s: float | None = None, interrupted=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     _set_collective_timeout(collective_timeout_s)
     torch.set_num_threads(threads)
     try:
+        # Started with SIGINT ignored (Note [Ctrl-C while ranks start]); from here a
+        # Ctrl-C is a KeyboardInterrupt that goes into this rank's report, not onto stderr.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if interrupted is not None and interrupted.is_set():
+            raise KeyboardInterrupt("Ctrl-C while this rank was starting")
         _init_group(backend, rank, collective_timeout_s)
         result = fn(*args)
         # Plain pickle turns tensors into bytes: torch's queue pickler would send
@@ -167,15 +173,17 @@ def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, time
            forward_sigint: bool = False, collective_timeout_s: float | None = None) -> Any:
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
+    interrupted = ctx.Event() if forward_sigint else None
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, nprocs, port, backend, threads, reports, args,
-                                                  collective_timeout_s),
+                                                  collective_timeout_s, interrupted),
                          daemon=True, name=f"flatfsdp-rank{r}") for r in range(nprocs)]
-    forwarder = _SigintForwarder(procs) if forward_sigint else None
+    forwarder = _SigintForwarder(procs, interrupted) if forward_sigint else None
     ok = False
     with forwarder or contextlib.nullcontext():
-        for p in procs:
-            p.start()
+        with _children_ignore_sigint():
+            for p in procs:
+                p.start()
         try:
             payload = _collect(procs, reports, timeout_s)
             ok = True
@@ -188,13 +196,37 @@ def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, time
     return pickle.loads(payload)  # produced by our own child a moment ago
 
 
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Note [Ctrl-C while ranks start]
+    A terminal's Ctrl-C reaches every process of the foreground group, the
+    ranks too. A rank still importing torch (spawn's bootstrap, before any of
+    our code runs) would die printing a KeyboardInterrupt traceback -- a
+    screenful from every rank. So the ranks are started with SIGINT ignored
+    (the one disposition that survives exec, and Python keeps it), and
+    `_rank_main` takes it back as its first act; a press that fell into the
+    window in between is not lost: the parent's forwarder also sets an event
+    the rank reads right then. The parent ignores SIGINT only for the few
+    milliseconds of fork and exec."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class _SigintForwarder:
     """While installed: the first SIGINT is sent on to every live rank (which
-    decide what to do with it); a second one raises KeyboardInterrupt here, and
-    the launch then stops the ranks."""
+    decide what to do with it) and noted in ``interrupted`` (for ranks still
+    starting); a second one raises KeyboardInterrupt here, and the launch then
+    stops the ranks."""
 
-    def __init__(self, procs: list):
+    def __init__(self, procs: list, interrupted=None):
         self.procs = procs
+        self.interrupted = interrupted
         self.presses = 0
         self._previous = None
 
@@ -202,6 +234,8 @@ class _SigintForwarder:
         self.presses += 1
         if self.presses > 1:
             raise KeyboardInterrupt
+        if self.interrupted is not None:
+            self.interrupted.set()
         for p in self.procs:
             if p.pid is not None and p.is_alive():
                 with contextlib.suppress(ProcessLookupError):
