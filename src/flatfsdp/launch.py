@@ -29,7 +29,6 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import sys
 import threading
 import time
@@ -111,18 +110,21 @@ def default_backend() -> str:
     return "gloo"
 
 
-def _free_port() -> int:
-    # The port is released before the ranks bind it; another process could take
-    # it in between, which only ever shows as a clear rendezvous error.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store() -> dist.TCPStore:
+    """The ranks' rendezvous store, hosted by this (parent) process on a port
+    the kernel picks as it binds: nothing is released between choosing a port
+    and listening on it, so launches started at once never race for one (a
+    port probed free, closed and handed to rank 0 to bind could be taken in
+    between). The ranks join it as clients, as under torchrun's agent
+    (``TORCHELASTIC_USE_AGENT_STORE``); it lives until the launch returns."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=10))
 
 
 def _rank_main(fn, rank: int, world: int, port: int, backend: str | None, threads: int,
                reports, args: tuple, collective_timeout_s: float | None = None, interrupted=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # the parent hosts the store: _rendezvous_store
     _set_collective_timeout(collective_timeout_s)
     torch.set_num_threads(threads)
     try:
@@ -174,7 +176,8 @@ def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, time
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     interrupted = ctx.Event() if forward_sigint else None
-    port = _free_port()
+    store = _rendezvous_store()
+    port = store.port
     procs = [ctx.Process(target=_rank_main, args=(fn, r, nprocs, port, backend, threads, reports, args,
                                                   collective_timeout_s, interrupted),
                          daemon=True, name=f"flatfsdp-rank{r}") for r in range(nprocs)]
@@ -193,6 +196,7 @@ def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, time
             raise
         finally:
             _stop(procs, graceful=ok)
+            del store  # the ranks are gone: stop listening
     return pickle.loads(payload)  # produced by our own child a moment ago
 
 
