@@ -325,3 +325,52 @@ def test_state_of_an_optimizer_that_stepped_before_sharding_is_carried_into_the_
         kind, message = out["factored"]
         assert kind == "ValueError"
         assert message.startswith("Adafactor holds state 'row_var' of shape (64, 1) for parameter 'tok_emb.weight'")
+
+
+# ---- replicas that start apart, schedules that drift apart -----------------------------------------
+
+class _Routed(nn.Module):
+    """Two same-size units whose order the data decides (here: the rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.order = ("a", "b")
+
+    def forward(self, x):
+        for name in self.order:
+            x = getattr(self, name)(x)
+        return x
+
+
+def replicas_and_schedules_worker(rank, world):
+    out = {"seeds": _error(lambda: flatfsdp.fully_shard(make_model(seed=rank, cfg=SMALL),
+                                                        fsdp_unit_modules=[TransformerBlock]))}
+    with torch.device("meta"):  # nothing to compare yet on the meta device: accepted
+        meta = make_model(seed=rank, cfg=SMALL)
+    out["meta"] = _error(lambda: flatfsdp.fully_shard(meta, fsdp_unit_modules=[TransformerBlock]))
+    os.environ["FLATFSDP_CHECK_SCHEDULE"] = "1"
+    model = flatfsdp.fully_shard(_Routed(), fsdp_unit_modules=[nn.Linear])
+    x = torch.ones(2, 8)
+    model(x).sum().backward()
+    model(x).sum().backward()  # step 2 starts: step 1 compared, equal
+    model.order = ("a", "b") if rank == 0 else ("b", "a")
+    # Step 3: rank 0's gather of unit a pairs with rank 1's of unit b -- the same size, so
+    # without the check nothing fails and each rank computes with the other's weights.
+    model(x).sum().backward()
+    out["drift"] = _error(lambda: model(x))  # step 4 starts: step 3 compared
+    return out
+
+
+def test_replicas_from_different_seeds_are_named_and_a_drifting_schedule_is_caught():
+    for out in run_ranks(replicas_and_schedules_worker, 2):
+        kind, message = out["seeds"]
+        assert kind == "ReplicaMismatch"
+        assert message.startswith("replicas start from different weights in unit 'blocks.1': 'attn.qkv.weight' "
+                                  "differs between rank 0 and rank(s) 1")
+        assert out["meta"] is None
+        kind, message = out["drift"]
+        assert kind == "ScheduleMismatch", message
+        assert message.startswith("step 3: ranks ran different unit collectives: collective #"), message
+        assert "is the forward gather of unit 'a' on rank 0 but the forward gather of unit 'b' on rank 1" in message

@@ -54,7 +54,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     description = describe(label, [(s.fqn, s.param) for s in slots])
     for dp_group in (mesh.shard, mesh.outer):
         if dp_group is not None and dp_group.size() > 1:
-            check_ranks_agree(description, dp_group.get_group(), device)
+            check_ranks_agree(description, dp_group.get_group(), device, [(s.fqn, s.param) for s in slots])
     slots = [_with_tensor_parallel(s, label) for s in slots]
     # By name: meta-device materialisation below replaces the parameter objects.
     experts = {s.fqn for s in slots if expert_mesh is not None and _is_expert(s.param)}

@@ -15,6 +15,7 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
 from flatfsdp.engine.comm.coalesce import ReduceRequest
+from flatfsdp.engine.comm.schedule_check import ScheduleCheck, schedule_check_enabled
 from flatfsdp.engine.layout.device import SideStream
 from flatfsdp.engine.runtime.host_memory import release_free_host_memory
 from flatfsdp.engine.runtime.nonfinite_flag import NonFiniteWatch, resolve_mode
@@ -30,6 +31,7 @@ class ScheduledUnit(Protocol):
 
     groups: list
     module: torch.nn.Module
+    path: str
     controls: UnitControls
     training_state: TrainingState
     sync_each_microbatch: bool
@@ -69,10 +71,14 @@ class RootContext:
         self._order: list["ScheduledUnit"] = []
         self._last_order: list["ScheduledUnit"] = []
         self.nonfinite = NonFiniteWatch()  # Note [the non-finite flag]
+        self.schedule = ScheduleCheck(schedule_check_enabled())  # FLATFSDP_CHECK_SCHEDULE=1
+        self._device = device
+        self._schedule_checked = 0
 
     # ---- reductions in flight ----------------------------------------------------------
 
     def submit_reduction(self, request: ReduceRequest, group=None) -> None:
+        self.schedule.record(f"the gradient reduction of unit '{getattr(request, 'unit', '?')}'")
         if group is not None:
             mode = resolve_mode(self.root.controls.on_nonfinite)
             delivered = group.gradients.delivered
@@ -139,6 +145,11 @@ class RootContext:
         self.wait_reductions()
         if self._order:
             self._last_order, self._order = self._order, []
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if self.nonfinite.backwards != self._schedule_checked:  # a training step ended: compare schedules
+            self._schedule_checked = self.nonfinite.backwards
+            on_host = world is None or dist.get_backend(world) == "gloo"
+            self.schedule.check(world, self.nonfinite.backwards, torch.device("cpu") if on_host else self._device)
         # Before release_consumed: a flagged group's main grads are still there to be named.
         self.nonfinite.check(resolve_mode(self.root.controls.on_nonfinite), self._parameter_names,
                              dist.group.WORLD if dist.is_initialized() else None)
@@ -156,6 +167,7 @@ class RootContext:
     def record_forward(self, state: "ScheduledUnit") -> None:
         if state not in self._order:
             self._order.append(state)
+            self.schedule.record(f"the forward gather of unit '{state.path or '<root>'}'")
 
     def next_in_forward(self, state: "ScheduledUnit") -> list["ScheduledUnit"]:
         return _ahead(self._last_order, state, +1, self.prefetch_bytes)
