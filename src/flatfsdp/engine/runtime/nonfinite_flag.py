@@ -23,8 +23,9 @@ What happens then (``on_nonfinite``, per root: `set_on_nonfinite`, else the
 * "warn": one `NonFiniteWarning` on each rank that sees it, naming the step
   and the parameter -- once per model, not once per step.
 * "error": `NonFiniteError` on every rank, before the next forward runs. The
-  ranks agree through one all-reduce of the flag per step (each rank sees only
-  its own shard of the gradients); that is this mode's cost.
+  ranks agree through one all-reduce of the flag per step over the default
+  group (each rank sees only its own shard of the gradients); that is this
+  mode's cost, and why it assumes every rank of the job trains this model.
 * "off": no sums at all (``flatfsdp train`` has its own per-step check).
 
 Steps are counted as backward passes since the model was sharded.
