@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 MODES = ("warn", "error", "off")
@@ -103,8 +104,8 @@ class NonFiniteWatch:
     def note(self, group, mode: str) -> None:
         """A reduction landed in ``group``'s main grads: keep its sum (no sync)."""
         main_grad = group.buffers.main_grad
-        if mode == "off" or main_grad is None or main_grad.numel() == 0:
-            return
+        if mode == "off" or main_grad is None or main_grad.numel() == 0 or is_fake(main_grad):
+            return  # fake tensors (the estimator's dry run) have no values to check
         self._sums.append((group, main_grad.sum(dtype=torch.float32)))
 
     def check(self, mode: str, names, group) -> None:
