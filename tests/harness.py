@@ -11,6 +11,7 @@ import os
 import pickle
 import socket
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,12 +24,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, queue, args):
+def _entry(fn, rank, world_size, port, queue, args, group_timeout_s=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        extra = {} if group_timeout_s is None else {"timeout": timedelta(seconds=group_timeout_s)}
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, **extra)
         result = fn(rank, world_size, *args)
         # Plain pickle copies tensors into bytes; torch's queue pickler would
         # pass shared-memory handles that die with this process.
@@ -40,12 +42,13 @@ def _entry(fn, rank, world_size, port, queue, args):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
-    """Results of ``fn`` on every rank, in rank order."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, group_timeout_s: float | None = None) -> list:
+    """Results of ``fn`` on every rank, in rank order. ``group_timeout_s``: the
+    default process group's timeout, as a user would pass it to init_process_group."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args, group_timeout_s), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -198,8 +198,9 @@ def test_a_nonfinite_step_is_reported_with_step_ranks_and_parameters():
 
 # ---- a collective that never completes ------------------------------------------------------------
 
-def one_sided_forward_worker(rank, world, flag_dir):
-    os.environ[flatfsdp.TIMEOUT_ENV] = "3"
+def one_sided_forward_worker(rank, world, flag_dir, env_timeout="3"):
+    if env_timeout is not None:
+        os.environ[flatfsdp.TIMEOUT_ENV] = env_timeout
     model = make_model(cfg=SMALL)
     flatfsdp.fully_shard(model, fsdp_unit_modules=[TransformerBlock])
     done = os.path.join(flag_dir, "rank0-done")
@@ -218,3 +219,158 @@ def test_a_forward_on_one_rank_fails_in_seconds_naming_unit_phase_and_rank(tmp_p
     assert message.startswith("unit '<root>': forward gather (all_gather) on rank 0 waited 3 s: "
                               "rank(s) 1 did not arrive")
     assert "FLATFSDP_TIMEOUT=3" in message
+
+
+def test_the_process_groups_own_timeout_rules_when_it_is_shorter(tmp_path):
+    """init_process_group(timeout=3 s) and no FLATFSDP_TIMEOUT: the engine's wait
+    ends after the group's 3 s (not its own 300 s), naming unit, phase and rank."""
+    start = time.monotonic()
+    kind, message = run_ranks(one_sided_forward_worker, 2, str(tmp_path), None, timeout=120, group_timeout_s=3)[0]
+    assert kind == "CollectiveTimeout"
+    assert message.startswith("unit '<root>': forward gather (all_gather) on rank 0 waited 3 s: "
+                              "rank(s) 1 did not arrive")
+    assert "Limit: the process group's timeout of 3 s" in message
+    assert time.monotonic() - start < 60  # without the rule: 300 s, cut off by run_ranks' timeout
+
+
+def test_flatfsdp_timeout_still_rules_when_it_is_shorter_than_the_groups(tmp_path):
+    kind, message = run_ranks(one_sided_forward_worker, 2, str(tmp_path), "2", timeout=120, group_timeout_s=600)[0]
+    assert kind == "CollectiveTimeout" and "waited 2 s" in message and "FLATFSDP_TIMEOUT=2" in message
+
+
+# ---- NaN / inf in a user's own loop ---------------------------------------------------------------
+
+def _own_loop(rank, mode):
+    import warnings
+    model = make_model(cfg=SMALL)
+    flatfsdp.fully_shard(model, fsdp_unit_modules=[TransformerBlock])
+    if mode is not None:
+        flatfsdp.set_on_nonfinite(model, mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.arange(8)[None] % 64
+    out = {"error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for step in range(1, 6):
+                scale = float("inf") if (step in (2, 4) and rank == 1) else 1.0  # rank 1's data overflows
+                loss = model(tokens).float().logsumexp(-1).mean() * scale
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        except flatfsdp.NonFiniteError as exc:
+            out["error"] = (step, str(exc))
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, flatfsdp.NonFiniteWarning)]
+    return out
+
+
+def own_loop_nonfinite_worker(rank, world):
+    return {mode: _own_loop(rank, mode) for mode in (None, "error", "off")}
+
+
+@pytest.fixture(scope="module")
+def own_loop():
+    return run_ranks(own_loop_nonfinite_worker, 2)
+
+
+def test_a_nonfinite_gradient_in_a_users_loop_is_warned_once_naming_step_and_parameter(own_loop):
+    for out in own_loop:
+        default = out[None]
+        assert default["error"] is None
+        assert len(default["warnings"]) == 1, default["warnings"]  # steps 2 and 4 went wrong: one warning
+        assert default["warnings"][0].startswith("step 2: gradients are NaN/inf in 'tok_emb.weight'")
+        assert out["off"] == {"error": None, "warnings": []}
+
+
+def test_the_error_mode_stops_every_rank_before_the_next_forward(own_loop):
+    for out in own_loop:
+        step, message = out["error"]["error"]
+        assert step == 3  # raised at the start of the forward that follows the bad step
+        assert message.startswith("step 2: gradients are NaN/inf in 'tok_emb.weight'")
+        assert out["error"]["warnings"] == []
+
+
+# ---- an optimizer that stepped before sharding ----------------------------------------------------
+
+def stepped_optimizer_worker(rank, world):
+    from flatfsdp.models.gpt import lm_loss
+    from training import batches, full_params, make_optimizer, sharded_step
+    data = batches(5)
+    model = make_model()
+    opt = make_optimizer("adamw", model.named_parameters())
+    for x in data[:2]:  # two steps on the plain model, on the whole batch (every rank the same)
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=[TransformerBlock])
+    moment = opt.state[model.blocks[0].mlp.fc.weight]["exp_avg"]
+    out = {"moment": (type(moment).__name__, tuple(moment.to_local().shape), tuple(moment.shape))}
+    for x in data[2:]:
+        sharded_step(model, opt, x, rank, world)
+    out["params"] = full_params(model)
+    factored = make_model()
+    adafactor = torch.optim.Adafactor(factored.parameters(), lr=1e-2)
+    lm_loss(factored(data[0][:, :-1]), data[0][:, 1:]).backward()
+    adafactor.step()
+    out["factored"] = _error(lambda: flatfsdp.fully_shard(factored, adafactor, fsdp_unit_modules=[TransformerBlock]))
+    return out
+
+
+def test_state_of_an_optimizer_that_stepped_before_sharding_is_carried_into_the_shards():
+    from training import max_diff, train_reference
+    _, reference = train_reference(5, "adamw")
+    for out in run_ranks(stepped_optimizer_worker, 2):
+        assert out["moment"] == ("DTensor", (64, 32), (128, 32))  # each rank holds its chunk of Adam's moment
+        assert max_diff(out["params"], reference) < 2e-5  # trains on as the unsharded run does
+        kind, message = out["factored"]
+        assert kind == "ValueError"
+        assert message.startswith("Adafactor holds state 'row_var' of shape (64, 1) for parameter 'tok_emb.weight'")
+
+
+# ---- replicas that start apart, schedules that drift apart -----------------------------------------
+
+class _Routed(nn.Module):
+    """Two same-size units whose order the data decides (here: the rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.order = ("a", "b")
+
+    def forward(self, x):
+        for name in self.order:
+            x = getattr(self, name)(x)
+        return x
+
+
+def replicas_and_schedules_worker(rank, world):
+    out = {"seeds": _error(lambda: flatfsdp.fully_shard(make_model(seed=rank, cfg=SMALL),
+                                                        fsdp_unit_modules=[TransformerBlock]))}
+    with torch.device("meta"):  # nothing to compare yet on the meta device: accepted
+        meta = make_model(seed=rank, cfg=SMALL)
+    out["meta"] = _error(lambda: flatfsdp.fully_shard(meta, fsdp_unit_modules=[TransformerBlock]))
+    os.environ["FLATFSDP_CHECK_SCHEDULE"] = "1"
+    model = flatfsdp.fully_shard(_Routed(), fsdp_unit_modules=[nn.Linear])
+    x = torch.ones(2, 8)
+    model(x).sum().backward()
+    model(x).sum().backward()  # step 2 starts: step 1 compared, equal
+    model.order = ("a", "b") if rank == 0 else ("b", "a")
+    # Step 3: rank 0's gather of unit a pairs with rank 1's of unit b -- the same size, so
+    # without the check nothing fails and each rank computes with the other's weights.
+    model(x).sum().backward()
+    out["drift"] = _error(lambda: model(x))  # step 4 starts: step 3 compared
+    return out
+
+
+def test_replicas_from_different_seeds_are_named_and_a_drifting_schedule_is_caught():
+    for out in run_ranks(replicas_and_schedules_worker, 2):
+        kind, message = out["seeds"]
+        assert kind == "ReplicaMismatch"
+        assert message.startswith("replicas start from different weights in unit 'blocks.1': 'attn.qkv.weight' "
+                                  "differs between rank 0 and rank(s) 1")
+        assert out["meta"] is None
+        kind, message = out["drift"]
+        assert kind == "ScheduleMismatch", message
+        assert message.startswith("step 3: ranks ran different unit collectives: collective #"), message
+        assert "is the forward gather of unit 'a' on rank 0 but the forward gather of unit 'b' on rank 1" in message

@@ -4,10 +4,13 @@ Real files, real commands; no process group needed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -128,6 +131,45 @@ def test_unusable_paths_are_reported_at_start(tmp_path, capsys):
     assert "is a file, not a directory" in err
     err = _train_error(capsys, ["--save", str(tmp_path / "missing" / "ck"), "--run-dir", str(tmp_path / "r")])
     assert "its parent directory" in err and "does not exist" in err
+
+
+def test_paths_the_permission_bits_call_writable_are_tried_at_start(tmp_path, capsys):
+    """/proc and /sys pass os.access for root; only a test write there fails."""
+    err = _train_error(capsys, ["--save", "/proc/ck", "--run-dir", str(tmp_path / "run")])
+    assert err.startswith("flatfsdp train: error: --save /proc/ck: cannot save a checkpoint to /proc/ck: writing a "
+                          "test directory next to it failed (No such file or directory: /proc/ck.tmp-")
+    err = _train_error(capsys, ["--save", "/sys/ck", "--run-dir", str(tmp_path / "run")])
+    assert "--save /sys/ck: cannot save a checkpoint to /sys/ck: writing a test directory next to it failed" in err
+    err = _train_error(capsys, ["--run-dir", "/proc/runs"])
+    assert "--run-dir /proc/runs cannot be created or written" in err
+    assert all(p.name == "run" for p in tmp_path.iterdir())  # no probe left behind
+
+
+def _ctrl_c_at(delay: float, tmp_path) -> tuple[int, list[str]]:
+    """`flatfsdp train` (the installed command), SIGINT to its whole process
+    group after ``delay`` seconds, as a terminal's Ctrl-C does."""
+    command = os.path.join(os.path.dirname(sys.executable), "flatfsdp")
+    proc = subprocess.Popen([command, "train", *TINY, "--train-iters", "100000", "--run-dir", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, err.strip().splitlines()
+
+
+@pytest.mark.parametrize("delay", [0.3, 2.5, 5.0])
+def test_ctrl_c_at_any_moment_of_start_up_prints_one_line(tmp_path, delay):
+    """While Python imports torch, while the ranks import it, while they join
+    the group and build the model: exit 130 and exactly one line (it used to be
+    a traceback from the command and a screenful from every rank)."""
+    code, lines = _ctrl_c_at(delay, tmp_path)
+    assert code == 130 and len(lines) == 1, lines
+    assert lines[0] in ("flatfsdp train: interrupted before training started; nothing was saved",) or \
+        lines[0].startswith("flatfsdp train: interrupted at step"), lines
 
 
 def test_train_save_onto_a_file_via_the_installed_command(tmp_path):

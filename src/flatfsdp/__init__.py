@@ -9,6 +9,7 @@ from flatfsdp.engine import (CommAccount, FSDPModule, GradientReductionHandle, M
 from flatfsdp.engine import (NonFiniteError, NonFiniteReport, ReplicaMismatch, check_finite, local_nonfinite,
                              nonfinite_report, verify_replicas)
 from flatfsdp.engine import TIMEOUT_ENV, CollectiveTimeout
+from flatfsdp.engine import NONFINITE_ENV, NonFiniteWarning, set_on_nonfinite
 from flatfsdp.pretrained import load_pretrained  # noqa: E402 (an application on the names above)
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "NonFiniteError", "NonFiniteReport", "ReplicaMismatch", "check_finite", "local_nonfinite", "nonfinite_report",
     "verify_replicas", "CollectiveTimeout", "TIMEOUT_ENV",
     "mark_initialized", "load_pretrained",
+    "set_on_nonfinite", "NonFiniteWarning", "NONFINITE_ENV",
 ]

@@ -5,10 +5,13 @@ from __future__ import annotations
 import sys
 
 
+COMMANDS = {"train": "flatfsdp.train", "bench": "flatfsdp.bench.__main__",
+            "checkpoint": "flatfsdp.checkpoint.cli", "estimate": "flatfsdp.estimator.cli"}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": "flatfsdp.train", "bench": "flatfsdp.bench.__main__",
-                "checkpoint": "flatfsdp.checkpoint.cli", "estimate": "flatfsdp.estimator.cli"}
+    commands = COMMANDS
     if not argv or argv[0] not in commands:
         print("usage: flatfsdp {train,bench,checkpoint,estimate} [options]   (flatfsdp COMMAND --help for options)", file=sys.stderr)
         raise SystemExit(2)

@@ -29,7 +29,6 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import sys
 import threading
 import time
@@ -111,21 +110,30 @@ def default_backend() -> str:
     return "gloo"
 
 
-def _free_port() -> int:
-    # The port is released before the ranks bind it; another process could take
-    # it in between, which only ever shows as a clear rendezvous error.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store() -> dist.TCPStore:
+    """The ranks' rendezvous store, hosted by this (parent) process on a port
+    the kernel picks as it binds: nothing is released between choosing a port
+    and listening on it, so launches started at once never race for one (a
+    port probed free, closed and handed to rank 0 to bind could be taken in
+    between). The ranks join it as clients, as under torchrun's agent
+    (``TORCHELASTIC_USE_AGENT_STORE``); it lives until the launch returns."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=10))
 
 
 def _rank_main(fn, rank: int, world: int, port: int, backend: str | None, threads: int,
-               reports, args: tuple, collective_timeout_s: float | None = None) -> None:
+               reports, args: tuple, collective_timeout_s: float | None = None, interrupted=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # the parent hosts the store: _rendezvous_store
     _set_collective_timeout(collective_timeout_s)
     torch.set_num_threads(threads)
     try:
+        # Started with SIGINT ignored (Note [Ctrl-C while ranks start]); from here a
+        # Ctrl-C is a KeyboardInterrupt that goes into this rank's report, not onto stderr.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if interrupted is not None and interrupted.is_set():
+            raise KeyboardInterrupt("Ctrl-C while this rank was starting")
         _init_group(backend, rank, collective_timeout_s)
         result = fn(*args)
         # Plain pickle turns tensors into bytes: torch's queue pickler would send
@@ -167,15 +175,18 @@ def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, time
            forward_sigint: bool = False, collective_timeout_s: float | None = None) -> Any:
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
-    port = _free_port()
+    interrupted = ctx.Event() if forward_sigint else None
+    store = _rendezvous_store()
+    port = store.port
     procs = [ctx.Process(target=_rank_main, args=(fn, r, nprocs, port, backend, threads, reports, args,
-                                                  collective_timeout_s),
+                                                  collective_timeout_s, interrupted),
                          daemon=True, name=f"flatfsdp-rank{r}") for r in range(nprocs)]
-    forwarder = _SigintForwarder(procs) if forward_sigint else None
+    forwarder = _SigintForwarder(procs, interrupted) if forward_sigint else None
     ok = False
     with forwarder or contextlib.nullcontext():
-        for p in procs:
-            p.start()
+        with _children_ignore_sigint():
+            for p in procs:
+                p.start()
         try:
             payload = _collect(procs, reports, timeout_s)
             ok = True
@@ -185,16 +196,41 @@ def _spawn(fn, nprocs: int, args: tuple, backend: str | None, threads: int, time
             raise
         finally:
             _stop(procs, graceful=ok)
+            del store  # the ranks are gone: stop listening
     return pickle.loads(payload)  # produced by our own child a moment ago
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Note [Ctrl-C while ranks start]
+    A terminal's Ctrl-C reaches every process of the foreground group, the
+    ranks too. A rank still importing torch (spawn's bootstrap, before any of
+    our code runs) would die printing a KeyboardInterrupt traceback -- a
+    screenful from every rank. So the ranks are started with SIGINT ignored
+    (the one disposition that survives exec, and Python keeps it), and
+    `_rank_main` takes it back as its first act; a press that fell into the
+    window in between is not lost: the parent's forwarder also sets an event
+    the rank reads right then. The parent ignores SIGINT only for the few
+    milliseconds of fork and exec."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _SigintForwarder:
     """While installed: the first SIGINT is sent on to every live rank (which
-    decide what to do with it); a second one raises KeyboardInterrupt here, and
-    the launch then stops the ranks."""
+    decide what to do with it) and noted in ``interrupted`` (for ranks still
+    starting); a second one raises KeyboardInterrupt here, and the launch then
+    stops the ranks."""
 
-    def __init__(self, procs: list):
+    def __init__(self, procs: list, interrupted=None):
         self.procs = procs
+        self.interrupted = interrupted
         self.presses = 0
         self._previous = None
 
@@ -202,6 +238,8 @@ class _SigintForwarder:
         self.presses += 1
         if self.presses > 1:
             raise KeyboardInterrupt
+        if self.interrupted is not None:
+            self.interrupted.set()
         for p in self.procs:
             if p.pid is not None and p.is_alive():
                 with contextlib.suppress(ProcessLookupError):

@@ -64,7 +64,7 @@ def setup_fsdp2(model: nn.Module, cfg: BenchConfig) -> Trainer:
     return Trainer(_plain_step(model, optimizer), stage=3)
 
 
-def setup_flatfsdp(model: nn.Module, cfg: BenchConfig) -> Trainer:
+def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None = None) -> Trainer:
     import flatfsdp
 
     # Megatron-FSDP style: the optimizer is built on the plain model, then bound.
@@ -73,6 +73,8 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig) -> Trainer:
               if cfg.bf16 else None)
     model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=[TransformerBlock],
                                             zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy)
+    if on_nonfinite is not None:
+        flatfsdp.set_on_nonfinite(model, on_nonfinite)
     return Trainer(_plain_step(model, optimizer), stage=STRATEGY_STAGE[cfg.strategy],
                    account=flatfsdp.comm_account())
 
@@ -106,6 +108,8 @@ REGISTRY = {c.name: c for c in (
     Contender("fsdp2", "FSDP2", setup_fsdp2),
     Contender("flatfsdp", "flatfsdp", setup_flatfsdp, unavailable=_flatfsdp_unavailable,
               bytes_source="engine account (flatfsdp.comm_account)"),
+    Contender("flatfsdp-nocheck", "flatfsdp, no NaN flag", lambda m, c: setup_flatfsdp(m, c, "off"),
+              unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("deepspeed", "DeepSpeed ZeRO-3", setup_deepspeed, unavailable=ds.unavailable_reason,
               preload=ds.preload),
 )}

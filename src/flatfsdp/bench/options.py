@@ -8,6 +8,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 CONTENDERS = ("floor", "fsdp2", "flatfsdp", "deepspeed")
+VARIANTS = ("flatfsdp-nocheck",)
+"""Run only when named: flatfsdp with a per-step safety check turned off, to
+measure what the check costs in the same run (docs/reliability.md)."""
 """Every contender the bench knows, in report order."""
 
 PRESETS = {"small-batch": dict(batch=1, seq_len=64), "large-batch": dict(batch=4, seq_len=256)}
@@ -102,7 +105,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
     p.add_argument("--grad-reduce-dtype", choices=sorted(_DTYPES), default=d.grad_reduce_dtype)
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help="flatfsdp's zero_dp_strategy")
-    p.add_argument("--contenders", default=",".join(d.contenders), help=f"comma list from {','.join(CONTENDERS)}")
+    p.add_argument("--contenders", default=",".join(d.contenders), help=f"comma list from {','.join(CONTENDERS + VARIANTS)}")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--loss-tol", type=float, default=None, help="loss agreement tolerance (default 2e-3 fp32, 5e-2 bf16)")
@@ -118,7 +121,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.seq_len is not None:
         shape["seq_len"] = args.seq_len
     names = tuple(n.strip() for n in args.contenders.split(",") if n.strip())
-    unknown = sorted(set(names) - set(CONTENDERS))
+    unknown = sorted(set(names) - set(CONTENDERS) - set(VARIANTS))
     if unknown or not names:
         raise SystemExit(f"unknown contender(s) {unknown}: choose from {', '.join(CONTENDERS)}")
     if min(args.steps, args.repeats, args.nprocs, args.threads_per_rank) < 1 or args.warmup < 0:

@@ -138,9 +138,32 @@ def remove_leftovers(directory: str) -> list[str]:
     return removed
 
 
+def probe_writable(directory: str) -> None:
+    """Create and remove, next to ``directory``, the kind of sibling a save
+    writes (``DIR.tmp-<token>`` holding a file): permission bits and
+    ``os.access`` say yes for root on a read-only mount or under /proc, where
+    only trying tells. Raises CheckpointError naming what failed."""
+    probe = temp_path(directory, new_token())
+    try:
+        os.mkdir(probe)
+        with open(os.path.join(probe, "probe"), "wb") as f:
+            f.write(b"flatfsdp")
+    except OSError as exc:
+        raise CheckpointError(f"cannot save a checkpoint to {directory}: writing a test directory next to it "
+                              f"failed ({exc.strerror or exc}: {exc.filename or probe})") from None
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
 def check_replaceable(directory: str) -> None:
     """Raise unless saving to ``directory`` would replace nothing but a checkpoint
-    (or an empty directory): see Note [only our own files]."""
+    (or an empty directory) and its parent takes a test write: see Note [only
+    our own files]."""
+    _check_replaceable(directory)
+    probe_writable(directory)
+
+
+def _check_replaceable(directory: str) -> None:
     if not os.path.lexists(directory):
         parent = os.path.dirname(directory)
         if not os.path.isdir(parent):

@@ -19,6 +19,8 @@ from flatfsdp.engine.front.finite_check import (NonFiniteError, NonFiniteReport,
 from flatfsdp.engine.front.memory import (allocated_buffer_bytes, held_tensors, persistent_buffer_bytes,
                                           persistent_bytes_by_role, resizable_buffers)
 from flatfsdp.engine.front.optimizer import fully_shard_optimizer
+from flatfsdp.engine.front.finite_check import set_on_nonfinite
+from flatfsdp.engine.runtime.nonfinite_flag import MODE_ENV as NONFINITE_ENV, NonFiniteWarning
 
 __all__ = [
     "CommAccount", "FSDPModule", "GradientReductionHandle", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
@@ -28,4 +30,5 @@ __all__ = [
     "NonFiniteError", "NonFiniteReport", "ReplicaMismatch", "check_finite", "local_nonfinite", "nonfinite_report",
     "verify_replicas", "CollectiveTimeout", "TIMEOUT_ENV",
     "mark_initialized",
+    "set_on_nonfinite", "NonFiniteWarning", "NONFINITE_ENV",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -86,6 +87,10 @@ def check_paths(o: TrainOptions) -> None:
             existing = os.path.dirname(existing)
         if not os.access(existing, os.W_OK | os.X_OK):
             raise PermissionError(f"{existing} is not writable")
+        # Permission bits do not tell (root, read-only mounts, /proc): create and remove a file there.
+        probe, name = tempfile.mkstemp(prefix=".flatfsdp-probe-", dir=existing)
+        os.close(probe)
+        os.unlink(name)
     except OSError as exc:
         what = f"--run-dir {run_dir}" if o.run_dir else f"the default run directory ./{run_dir}"
         raise UsageError(f"{what} cannot be created or written ({exc.strerror or exc}): pass "
@@ -106,6 +111,11 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def _interrupted_at_start() -> None:
+    print(f"{PROG}: interrupted before training started; nothing was saved", file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the command; returns rank 0's summary (this rank's under torchrun) when it finishes."""
     try:
@@ -113,13 +123,14 @@ def main(argv: list[str] | None = None) -> dict:
         world, files = check_before_launch(o)
     except UsageError as exc:
         _fail(str(exc))
+    except KeyboardInterrupt:  # Ctrl-C during the checks (reading the corpus, a checkpoint's metadata)
+        _interrupted_at_start()
     threads = 1 if torch.accelerator.is_available() else max(1, (os.cpu_count() or 2) // world)
     try:
         summary = launch(run, world, o, files, threads_per_rank=threads, forward_sigint=True,
                          collective_timeout_s=o.timeout)
-    except LaunchInterrupted:
-        print(f"{PROG}: interrupted before training started; nothing was saved", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+    except (LaunchInterrupted, KeyboardInterrupt):
+        _interrupted_at_start()
     if summary.get("error"):
         if summary["rank"] == 0:
             _fail(summary["error"])

@@ -90,6 +90,7 @@ def shard(built: BuiltModel, o: TrainOptions) -> tuple[nn.Module, torch.optim.Op
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(0.9, 0.95))
     model, optimizer = flatfsdp.fully_shard(built.model, optimizer, fsdp_unit_modules=built.units, **shard_kwargs(o))
+    flatfsdp.set_on_nonfinite(model, "off")  # the loop checks every step before stepping (--on-nonfinite)
     if built.pretrained:
         skip = None
         if built.lora_config is not None:

@@ -18,6 +18,7 @@ different file on one rank, otherwise trains as a silent mix of shards).
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from typing import Iterable
 
@@ -43,20 +44,72 @@ def _hash(description: tuple) -> int:
     return struct.unpack("<q", digest[:8])[0]
 
 
-def check_ranks_agree(description: tuple, group: dist.ProcessGroup, device: torch.device) -> None:
+CHECK_VALUES_ENV = "FLATFSDP_CHECK_REPLICAS"
+"""Set to 0 to skip the value check at fully_shard (ranks that start from
+different weights on purpose and load the same checkpoint after sharding)."""
+
+
+def check_ranks_agree(description: tuple, group: dist.ProcessGroup, device: torch.device,
+                      values: list[tuple[str, torch.Tensor]] | None = None) -> None:
     """Raise ReplicaMismatch on every rank unless all ranks of ``group`` passed
-    the same ``description``. Collective over ``group``."""
+    the same ``description`` and -- for ``values`` (name, tensor), skipped when
+    any is on the meta device -- bitwise the same values. Collective over
+    ``group``: one all-gather of three int64 (a hash of the description, two
+    checksums of the values' bits)."""
     world = group.size()
     if world == 1 or dist.get_backend(group) == "fake":
         return  # no other rank to disagree (torch's fake group: the estimator's one real rank)
-    mine = torch.tensor([_hash(description)], dtype=torch.int64, device=device)
-    hashes = torch.empty(world, dtype=torch.int64, device=device)
+    if not values or any(t.is_meta for _, t in values) or os.environ.get(CHECK_VALUES_ENV, "1") == "0":
+        values = []
+    sums = torch.stack([_cheap_checksum(t).to(device) for _, t in values]).sum(0) if values else \
+        torch.zeros(2, dtype=torch.int64, device=device)
+    mine = torch.cat([torch.tensor([_hash(description)], dtype=torch.int64, device=device), sums])
+    hashes = torch.empty(world * 3, dtype=torch.int64, device=device)
     all_gather_single(hashes, mine, group=group)
+    hashes = hashes.view(world, 3)
     if bool((hashes == hashes[0]).all()):  # one host sync, whatever the world size
         return
+    if bool((hashes[:, 0] == hashes[0, 0]).all()):
+        _name_first_different_value(description[0], values, group, device)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, description, group=group)
     raise ReplicaMismatch(_first_difference(everyone, group))
+
+
+def _cheap_checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of the tensor's bytes read as 64-bit words (all of them,
+    and the first half): one read at memory speed, exact (wrapping) integer
+    arithmetic, so equal weights give equal sums whatever the thread count,
+    and different initial weights (another seed) change them. (Widening each
+    element to int64 first, as `_checksum` does, is some 100 times slower.)"""
+    flat = (t.to_local() if hasattr(t, "to_local") else t).detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=flat.device)
+    raw = flat.view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    try:
+        words = raw[:whole].view(torch.int64)
+    except RuntimeError:  # a storage offset that is not 8-byte aligned
+        words = raw[:whole].clone().view(torch.int64)
+    tail = raw[whole:].to(torch.int64).sum()
+    return torch.stack([words.sum() + tail, words[:words.numel() // 2].sum()])
+
+
+def _name_first_different_value(unit: str, values: list, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Slow path, values differ: per-parameter checksums, to name the first."""
+    mine = torch.stack([_cheap_checksum(t).to(device) for _, t in values])
+    gathered = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_single(gathered, mine.reshape(-1), group=group)
+    gathered = gathered.view(group.size(), *mine.shape)
+    ranks = [dist.get_global_rank(group, r) for r in range(group.size())]
+    for index, (name, _) in enumerate(values):
+        differ = [rank for rank, g in zip(ranks, gathered) if not torch.equal(g[index], gathered[0][index])]
+        if differ:
+            raise ReplicaMismatch(
+                f"replicas start from different weights in unit '{unit}': '{name}' differs between rank {ranks[0]} "
+                f"and rank(s) {', '.join(map(str, differ))}; seed the initialisation the same on every rank, load "
+                f"the same weights everywhere, or build the model on the meta device ({CHECK_VALUES_ENV}=0 skips "
+                "this check, for weights loaded after fully_shard)")
 
 
 def _first_difference(descriptions: list, group: dist.ProcessGroup) -> str:

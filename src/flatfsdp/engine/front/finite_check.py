@@ -22,45 +22,29 @@ gradients are reduced (``finish_grad_sync()`` or the end of backward).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flatfsdp.engine.runtime.nonfinite_flag import MAX_NAMES, NonFiniteError, NonFiniteReport, resolve_mode
 from flatfsdp.engine.runtime.unit_state import unit_states
 
-MAX_NAMES = 5
-"""Parameters named in a report: the first few in model order say where it started."""
+__all__ = ["NonFiniteError", "NonFiniteReport", "check_finite", "local_nonfinite", "nonfinite_report",
+           "set_on_nonfinite"]
 
-
-class NonFiniteError(FloatingPointError):
-    """The loss or the gradients of a step hold NaN or inf."""
-
-    def __init__(self, report: "NonFiniteReport", step: int | None = None):
-        self.report, self.step = report, step
-        super().__init__(report.describe(step))
-
-
-@dataclass(frozen=True)
-class NonFiniteReport:
-    loss_ranks: tuple[int, ...]
-    """Ranks whose loss was NaN/inf."""
-    params: tuple[str, ...]
-    """The first parameters (model order, at most MAX_NAMES) with a NaN/inf gradient on some rank."""
-    param_count: int
-    """How many parameters had one, in all."""
-
-    def describe(self, step: int | None = None) -> str:
-        parts = []
-        if self.loss_ranks:
-            parts.append(f"the loss is NaN/inf on rank(s) {', '.join(map(str, self.loss_ranks))}")
-        if self.params:
-            more = f" and {self.param_count - len(self.params)} more" if self.param_count > len(self.params) else ""
-            parts.append(f"gradients are NaN/inf in {', '.join(repr(n) for n in self.params)}{more}")
-        at = f"step {step}: " if step is not None else ""
-        return at + ("; ".join(parts) or "a rank reported NaN/inf values")
+def set_on_nonfinite(model: nn.Module, mode: str) -> None:
+    """What the engine does when a step's reduced gradients hold NaN/inf
+    (noticed at the next forward's start, with no host sync of its own; Note
+    [the non-finite flag] in runtime/nonfinite_flag.py): "warn" (the default,
+    or FLATFSDP_ON_NONFINITE), "error" (NonFiniteError on every rank, before
+    the next forward; one tiny all-reduce per step) or "off"."""
+    resolve_mode(mode)
+    states = unit_states(model)
+    if not states:
+        raise ValueError(f"set_on_nonfinite: {type(model).__name__} has no sharded unit (call fully_shard first)")
+    for state in states:
+        state.controls.on_nonfinite = mode
 
 
 def _local_grads(model: nn.Module) -> list[torch.Tensor]:

@@ -13,6 +13,10 @@ process-wide, no attribute set on the optimizer):
   them exactly once. (An unbound optimizer works too: the engine then assumes
   a step after every delivered gradient; see ParamGroup._stamp.)
 
+State the optimizer already holds (it stepped on the unsharded model) is
+carried over to the sharded parameters, each rank its chunk
+(optimizer_state.py), or refused by name -- never dropped.
+
 Its ``state_dict()`` also creates the optimizer state if none exists yet, so
 that loading a checkpoint into it in place (DCP) finds every slot.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flatfsdp.engine.front.optimizer_state import carry_state, check_carryable
 from flatfsdp.engine.runtime.unit_state import unit_states
 
 
@@ -34,6 +39,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | N
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fully_shard_optimizer expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     sharded_of, group_of = _model_parameters(model)
+    check_carryable(optimizer, sharded_of, group_of)
     covered = {}
     for gi, group in enumerate(optimizer.param_groups):
         bound = []
@@ -46,6 +52,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | N
             if id(sharded) in group_of:
                 owner = group_of[id(sharded)]
                 covered[id(owner)] = owner
+                carry_state(optimizer, param, sharded, owner)  # it may have stepped before sharding
             bound.append(sharded)
         group["params"] = bound
     new = [g for g in covered.values() if optimizer not in g.bound_optimizers]

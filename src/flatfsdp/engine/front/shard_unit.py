@@ -54,9 +54,12 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     device = mesh_device(mesh.shard)
     # Before anything else talks to the other ranks: they must be sharding the same unit.
     description = describe(label, [(s.fqn, s.param) for s in slots])
+    # Values must agree across data-parallel replicas; expert parameters hold a
+    # different expert on each expert-parallel rank, so they are left out.
+    values = [(s.fqn, s.param) for s in slots if expert_mesh is None or not _is_expert(s.param)]
     for dp_group in (mesh.shard, mesh.outer):
         if dp_group is not None and dp_group.size() > 1:
-            check_ranks_agree(description, dp_group.get_group(), device)
+            check_ranks_agree(description, dp_group.get_group(), device, values)
     slots = [_with_tensor_parallel(s, label, mesh) for s in slots]
     # By name: meta-device materialisation below replaces the parameter objects.
     experts = {s.fqn for s in slots if expert_mesh is not None and _is_expert(s.param)}

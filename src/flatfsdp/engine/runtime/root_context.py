@@ -10,12 +10,15 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
 from flatfsdp.engine.comm.coalesce import ReduceRequest
+from flatfsdp.engine.comm.schedule_check import ScheduleCheck, schedule_check_enabled
 from flatfsdp.engine.layout.device import SideStream
 from flatfsdp.engine.runtime.host_memory import release_free_host_memory
+from flatfsdp.engine.runtime.nonfinite_flag import NonFiniteWatch, resolve_mode
 from flatfsdp.engine.comm.reduction_queue import ReductionQueue
 from flatfsdp.engine.runtime.training_state import TrainingState
 from flatfsdp.engine.runtime.unit_controls import UnitControls
@@ -27,6 +30,8 @@ class ScheduledUnit(Protocol):
     their root context, so naming the class here would be an import circle)."""
 
     groups: list
+    module: torch.nn.Module
+    path: str
     controls: UnitControls
     training_state: TrainingState
     sync_each_microbatch: bool
@@ -71,10 +76,20 @@ class RootContext:
         backward began (fixed until the iteration is finalized); None between iterations."""
         self.reduction_pending = False
         """``finalize_backward(async_op=True)`` returned a handle not yet waited on."""
+        self.nonfinite = NonFiniteWatch()  # Note [the non-finite flag]
+        self.schedule = ScheduleCheck(schedule_check_enabled())  # FLATFSDP_CHECK_SCHEDULE=1
+        self._device = device
+        self._schedule_checked = 0
 
     # ---- reductions in flight ----------------------------------------------------------
 
-    def submit_reduction(self, request: ReduceRequest) -> None:
+    def submit_reduction(self, request: ReduceRequest, group=None) -> None:
+        self.schedule.record(f"the gradient reduction of unit '{getattr(request, 'unit', '?')}'")
+        if group is not None:
+            mode = resolve_mode(self.root.controls.on_nonfinite)
+            delivered = group.gradients.delivered
+            # Summed once delivered (HFSDP's deferred outer step delivers later, unseen here).
+            request.then.append(lambda: group.gradients.delivered != delivered and self.nonfinite.note(group, mode))
         self.reductions.submit(request)
 
     def wait_reductions(self) -> None:
@@ -108,6 +123,7 @@ class RootContext:
                     state.reshard()
                 state.training_state = TrainingState.IDLE
             self.in_backward = False
+            self.nonfinite.backwards += 1
             if not manual:
                 self.manual_finalization_active = None
 
@@ -167,17 +183,29 @@ class RootContext:
         self.wait_reductions()
         if self._order:
             self._last_order, self._order = self._order, []
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if self.nonfinite.backwards != self._schedule_checked:  # a training step ended: compare schedules
+            self._schedule_checked = self.nonfinite.backwards
+            on_host = world is None or dist.get_backend(world) == "gloo"
+            self.schedule.check(world, self.nonfinite.backwards, torch.device("cpu") if on_host else self._device)
+        # Before release_consumed: a flagged group's main grads are still there to be named.
+        self.nonfinite.check(resolve_mode(self.root.controls.on_nonfinite), self._parameter_names,
+                             dist.group.WORLD if dist.is_initialized() else None)
         for state in self.states:
             for group in state.groups:
                 group.gradients.release_consumed()
         if self._on_host:
             release_free_host_memory()
 
+    def _parameter_names(self) -> dict:
+        return {id(p): name for name, p in self.root.module.named_parameters()}
+
     # ---- execution order -----------------------------------------------------------------
 
     def record_forward(self, state: "ScheduledUnit") -> None:
         if state not in self._order:
             self._order.append(state)
+            self.schedule.record(f"the forward gather of unit '{state.path or '<root>'}'")
 
     def next_in_forward(self, state: "ScheduledUnit") -> list["ScheduledUnit"]:
         return _ahead(self._last_order, state, +1, self.prefetch_bytes)

@@ -82,16 +82,21 @@ def _to_local_placements(module: nn.Module, state_dict: dict, prefix: str, local
             for key in (prefix + k for k in _keys(slot, index) if prefix + k in state_dict):
                 value = state_dict[key]
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
-                    state_dict[key] = _placed_like(value, sharded, group, position)
+                    state_dict[key] = placed_like(value, sharded, group, position)
                     state.user_valued.add(id(slot.param))  # loaded: its deferred initialisation must not run
                 # else: torch reports the mismatch
 
 
-def _placed_like(value: torch.Tensor, sharded: DTensor, group, index: int) -> torch.Tensor:
+def placed_like(value: torch.Tensor, sharded: DTensor, group, index: int,
+                dtype: torch.dtype | None = None) -> DTensor:
+    """A full-size ``value`` of parameter ``index`` of ``group`` (plain, or a
+    DTensor of any placement) as a DTensor placed like ``sharded``, in
+    ``dtype`` (default: the sharded parameter's)."""
+    dtype = dtype or sharded.dtype
     if isinstance(value, DTensor):
-        if value.device_mesh == sharded.device_mesh and value.placements == sharded.placements:
-            return value
-        return value.redistribute(sharded.device_mesh, sharded.placements)
+        if not (value.device_mesh == sharded.device_mesh and value.placements == sharded.placements):
+            value = value.redistribute(sharded.device_mesh, sharded.placements)
+        return value if value.dtype == dtype else value.to(dtype)
     if group.slots[index].tp is not None:
         # Tensor parallel too: DTensor cuts this rank's part of the full value
         # from the composed placements, from local data (no collective).
@@ -99,7 +104,7 @@ def _placed_like(value: torch.Tensor, sharded: DTensor, group, index: int) -> to
                                   src_data_rank=None).to_local()
     else:
         chunk = group.buffers.own_chunk_of(value.detach(), index)
-    chunk = chunk.to(device=sharded.device, dtype=sharded.dtype)
+    chunk = chunk.to(device=sharded.device, dtype=dtype)
     return DTensor.from_local(chunk, sharded.device_mesh, sharded.placements, run_check=False,
                               shape=sharded.shape, stride=sharded.stride())
 

@@ -44,6 +44,9 @@ class UnitControls:
     keep_unsharded_storage: bool = False
     """Releasing the gathered weights keeps their storage (same addresses at
     the next gather, e.g. for CUDA graphs), at the cost of holding it."""
+    on_nonfinite: str | None = None
+    """Read on the root: "warn", "error" or "off" for NaN/inf gradients (None:
+    FLATFSDP_ON_NONFINITE, else "warn"); Note [the non-finite flag]."""
     is_last_backward: bool = True
     """Read on the root: False means more microbatches follow before the
     optimizer step, so the backward's end need not wait for its reductions."""

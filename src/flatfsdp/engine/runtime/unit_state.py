@@ -282,7 +282,7 @@ class UnitState:
                                                         defer_to_step=not self.sync_each_microbatch)
             if request is not None:
                 request.unit = self.path or "<root>"
-                self.context.submit_reduction(request)
+                self.context.submit_reduction(request, group)
 
     # ---- root discovery -----------------------------------------------------------------
 
