@@ -82,7 +82,12 @@ def _cheap_checksum(t: torch.Tensor) -> torch.Tensor:
     arithmetic, so equal weights give equal sums whatever the thread count,
     and different initial weights (another seed) change them. (Widening each
     element to int64 first, as `_checksum` does, is some 100 times slower.)"""
-    flat = (t.to_local() if hasattr(t, "to_local") else t).detach().contiguous().reshape(-1)
+    flat = (t.to_local() if hasattr(t, "to_local") else t).detach()
+    if type(flat) is not torch.Tensor:
+        # A tensor subclass (float8, NF4: subclass_params) has no plain bytes to
+        # read; its shape and dtype are still in the description hash.
+        return torch.zeros(2, dtype=torch.int64, device=flat.device)
+    flat = flat.contiguous().reshape(-1)
     if flat.numel() == 0:
         return torch.zeros(2, dtype=torch.int64, device=flat.device)
     raw = flat.view(torch.uint8)
