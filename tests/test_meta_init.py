@@ -20,6 +20,11 @@ SEED = 7
 
 
 def _values(model):
+    # Deferred initialisation runs at a unit's first use (here: unshard);
+    # before it, state_dict() reports meta placeholders, as FSDP2 does.
+    for unit in [m for m in model.modules() if isinstance(m, flatfsdp.FSDPModule)]:
+        unit.unshard()
+        unit.reshard()
     state = model.state_dict()
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in state.items()}
 
