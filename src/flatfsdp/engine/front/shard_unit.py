@@ -52,6 +52,9 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     if require_shardable:
         _refuse_unshardable(slots, label)
     device = mesh_device(mesh.shard)
+    # Local checks of how DTensor parameters are placed come first: a refused
+    # placement is named as such, not as replicas that differ.
+    slots = [_with_tensor_parallel(s, label, mesh) for s in slots]
     # Before anything else talks to the other ranks: they must be sharding the same unit.
     description = describe(label, [(s.fqn, s.param) for s in slots])
     # Values must agree across data-parallel replicas; expert parameters hold a
@@ -60,7 +63,6 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     for dp_group in (mesh.shard, mesh.outer):
         if dp_group is not None and dp_group.size() > 1:
             check_ranks_agree(description, dp_group.get_group(), device, values)
-    slots = [_with_tensor_parallel(s, label, mesh) for s in slots]
     # By name: meta-device materialisation below replaces the parameter objects.
     experts = {s.fqn for s in slots if expert_mesh is not None and _is_expert(s.param)}
     meshes = {False: mesh, True: expert_mesh}
