@@ -149,15 +149,9 @@ class GroupBuffers:
         has dropped them; they count here at their full size.)"""
         return sum(self.persistent_bytes_by_role().values())
 
-    def persistent_bytes_by_role(self) -> dict[str, int]:
-        """``persistent_bytes`` split by what the bytes are for: "main weights"
-        (what the optimizer updates; when the model computes in the same dtype
-        the model views these very bytes), "model weights" (a separate copy in
-        the compute dtype), "gradients". A storage serving two roles counts
-        once, under the first."""
-        model = [self.model_local] if self.model_local is not None else []
-        if self.placement.keep_model_weights:
-            model.append(self.unsharded.data)
+    def _persistent_grads(self) -> tuple[list[torch.Tensor], int]:
+        """The gradient tensors held between steps, and the bytes of released
+        main grads (counted: the optimizer step brings them back)."""
         grads: list[torch.Tensor] = []
         released = 0
         if self.main_grad is not None:
@@ -167,6 +161,18 @@ class GroupBuffers:
                 grads.append(self.main_grad)
             if self.placement.keep_grad_buffer:
                 grads.append(self.grads.data)
+        return grads, released
+
+    def persistent_bytes_by_role(self) -> dict[str, int]:
+        """``persistent_bytes`` split by what the bytes are for: "main weights"
+        (what the optimizer updates; when the model computes in the same dtype
+        the model views these very bytes), "model weights" (a separate copy in
+        the compute dtype), "gradients". A storage serving two roles counts
+        once, under the first."""
+        model = [self.model_local] if self.model_local is not None else []
+        if self.placement.keep_model_weights:
+            model.append(self.unsharded.data)
+        grads, released = self._persistent_grads()
         seen: dict[int, torch.UntypedStorage] = {}
         main_bytes = _distinct_storage_bytes([self.main], seen)
         model_bytes = _distinct_storage_bytes(model, seen)

@@ -62,15 +62,7 @@ class SubclassBuffers(GroupBuffers):
         return self.gather_plan.held() if self.gather_plan is not None else []
 
     def persistent_bytes_by_role(self) -> dict[str, int]:
-        grads: list[torch.Tensor] = []
-        released = 0
-        if self.main_grad is not None:
-            if self.main_grad_buffer is not None and not self.main_grad_buffer.is_allocated:
-                released = self.main_grad.numel() * self.main_grad.element_size()
-            else:
-                grads.append(self.main_grad)
-            if self.placement.keep_grad_buffer:
-                grads.append(self.grads.data)
+        grads, released = self._persistent_grads()
         seen: dict[int, torch.UntypedStorage] = {}
         main_bytes = _distinct_storage_bytes(self._weight_tensors(), seen)
         kept = self._gathered_tensors() if self.placement.keep_model_weights else []

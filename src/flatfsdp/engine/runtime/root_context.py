@@ -77,6 +77,7 @@ class RootContext:
         self.reduction_pending = False
         """``finalize_backward(async_op=True)`` returned a handle not yet waited on."""
         self.nonfinite = NonFiniteWatch()  # Note [the non-finite flag]
+        self._nonfinite_mode = resolve_mode(root.controls.on_nonfinite)
         self.schedule = ScheduleCheck(schedule_check_enabled())  # FLATFSDP_CHECK_SCHEDULE=1
         self._device = device
         self._schedule_checked = 0
@@ -84,9 +85,12 @@ class RootContext:
     # ---- reductions in flight ----------------------------------------------------------
 
     def submit_reduction(self, request: ReduceRequest, group=None) -> None:
-        self.schedule.record(f"the gradient reduction of unit '{getattr(request, 'unit', '?')}'")
-        if group is not None:
-            mode = resolve_mode(self.root.controls.on_nonfinite)
+        # Every reduction of every unit, every step: nothing here may cost
+        # more than a check while the debug checks are off.
+        if self.schedule.enabled:
+            self.schedule.record(f"the gradient reduction of unit '{getattr(request, 'unit', '?')}'")
+        mode = self._nonfinite_mode
+        if group is not None and mode != "off":
             delivered = group.gradients.delivered
             # Summed once delivered (HFSDP's deferred outer step delivers later, unseen here).
             request.then.append(lambda: group.gradients.delivered != delivered and self.nonfinite.note(group, mode))
@@ -188,8 +192,10 @@ class RootContext:
             self._schedule_checked = self.nonfinite.backwards
             on_host = world is None or dist.get_backend(world) == "gloo"
             self.schedule.check(world, self.nonfinite.backwards, torch.device("cpu") if on_host else self._device)
+        # Read once per step (the option or FLATFSDP_ON_NONFINITE), not per reduction.
+        self._nonfinite_mode = resolve_mode(self.root.controls.on_nonfinite)
         # Before release_consumed: a flagged group's main grads are still there to be named.
-        self.nonfinite.check(resolve_mode(self.root.controls.on_nonfinite), self._parameter_names,
+        self.nonfinite.check(self._nonfinite_mode, self._parameter_names,
                              dist.group.WORLD if dist.is_initialized() else None)
         for state in self.states:
             for group in state.groups:
@@ -205,7 +211,8 @@ class RootContext:
     def record_forward(self, state: "ScheduledUnit") -> None:
         if state not in self._order:
             self._order.append(state)
-            self.schedule.record(f"the forward gather of unit '{state.path or '<root>'}'")
+            if self.schedule.enabled:
+                self.schedule.record(f"the forward gather of unit '{state.path or '<root>'}'")
 
     def next_in_forward(self, state: "ScheduledUnit") -> list["ScheduledUnit"]:
         return _ahead(self._last_order, state, +1, self.prefetch_bytes)
