@@ -5,6 +5,7 @@ Real processes on gloo; every case asserts what would break without the feature.
 from __future__ import annotations
 
 import os
+import warnings
 import time
 
 import pytest
@@ -350,6 +351,16 @@ def replicas_and_schedules_worker(rank, world):
     with torch.device("meta"):  # nothing to compare yet on the meta device: accepted
         meta = make_model(seed=rank, cfg=SMALL)
     out["meta"] = _error(lambda: flatfsdp.fully_shard(meta, fsdp_unit_modules=[TransformerBlock]))
+    # The per-module (FSDP2) form shards such replicas as FSDP2 does, with a warning naming them.
+    torch.manual_seed(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flatfsdp.fully_shard(nn.Linear(4, 4))
+    out["per_module"] = [str(w.message) for w in caught if "different weights" in str(w.message)]
+    os.environ["FLATFSDP_CHECK_REPLICAS"] = "error"
+    torch.manual_seed(rank)
+    out["per_module_strict"] = _error(lambda: flatfsdp.fully_shard(nn.Linear(4, 4)))
+    del os.environ["FLATFSDP_CHECK_REPLICAS"]
     os.environ["FLATFSDP_CHECK_SCHEDULE"] = "1"
     model = flatfsdp.fully_shard(_Routed(), fsdp_unit_modules=[nn.Linear])
     x = torch.ones(2, 8)
@@ -370,6 +381,10 @@ def test_replicas_from_different_seeds_are_named_and_a_drifting_schedule_is_caug
         assert message.startswith("replicas start from different weights in unit 'blocks.1': 'attn.qkv.weight' "
                                   "differs between rank 0 and rank(s) 1")
         assert out["meta"] is None
+        assert len(out["per_module"]) == 1, out["per_module"]
+        assert out["per_module"][0].startswith("replicas start from different weights in unit 'Linear': 'weight' "
+                                               "differs between rank 0 and rank(s) 1")
+        assert out["per_module_strict"][0] == "ReplicaMismatch"
         kind, message = out["drift"]
         assert kind == "ScheduleMismatch", message
         assert message.startswith("step 3: ranks ran different unit collectives: collective #"), message

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import warnings
 from typing import Iterable
 
 import torch
@@ -45,21 +46,38 @@ def _hash(description: tuple) -> int:
 
 
 CHECK_VALUES_ENV = "FLATFSDP_CHECK_REPLICAS"
-"""Set to 0 to skip the value check at fully_shard (ranks that start from
-different weights on purpose and load the same checkpoint after sharding)."""
+"""What differing replica values do at fully_shard: ``error``, ``warn``, or
+``0`` to skip the value check (ranks that start from different weights on
+purpose and load the same checkpoint after sharding). Unset, each front door
+picks: the one-call form raises; the per-module (FSDP2) form warns, because
+FSDP2 accepts such replicas and scripts (PyTorch's own tests among them) rely
+on it -- a drop-in must not refuse what FSDP2 runs, but it need not be silent."""
+
+_VALUE_MODES = {"0": "skip", "off": "skip", "warn": "warn", "1": "error", "error": "error"}
+
+
+def value_check_mode(default: str) -> str:
+    """``default`` ("error" or "warn") unless FLATFSDP_CHECK_REPLICAS says otherwise."""
+    setting = os.environ.get(CHECK_VALUES_ENV, "").strip().lower()
+    if not setting:
+        return default
+    if setting not in _VALUE_MODES:
+        raise ValueError(f"{CHECK_VALUES_ENV}={setting!r}: expected one of error, warn, 0")
+    return _VALUE_MODES[setting]
 
 
 def check_ranks_agree(description: tuple, group: dist.ProcessGroup, device: torch.device,
-                      values: list[tuple[str, torch.Tensor]] | None = None) -> None:
+                      values: list[tuple[str, torch.Tensor]] | None = None, values_differ: str = "error") -> None:
     """Raise ReplicaMismatch on every rank unless all ranks of ``group`` passed
-    the same ``description`` and -- for ``values`` (name, tensor), skipped when
-    any is on the meta device -- bitwise the same values. Collective over
-    ``group``: one all-gather of three int64 (a hash of the description, two
-    checksums of the values' bits)."""
+    the same ``description``; and -- for ``values`` (name, tensor), skipped when
+    any is on the meta device -- when they are not bitwise the same, raise
+    (``values_differ="error"``) or warn naming the first ("warn"; "skip" leaves
+    them unread). Collective over ``group``: one all-gather of three int64 (a
+    hash of the description, two checksums of the values' bits)."""
     world = group.size()
     if world == 1 or dist.get_backend(group) == "fake":
         return  # no other rank to disagree (torch's fake group: the estimator's one real rank)
-    if not values or any(t.is_meta for _, t in values) or os.environ.get(CHECK_VALUES_ENV, "1") == "0":
+    if not values or any(t.is_meta for _, t in values) or values_differ == "skip":
         values = []
     sums = torch.stack([_cheap_checksum(t).to(device) for _, t in values]).sum(0) if values else \
         torch.zeros(2, dtype=torch.int64, device=device)
@@ -70,7 +88,12 @@ def check_ranks_agree(description: tuple, group: dist.ProcessGroup, device: torc
     if bool((hashes == hashes[0]).all()):  # one host sync, whatever the world size
         return
     if bool((hashes[:, 0] == hashes[0, 0]).all()):
-        _name_first_different_value(description[0], values, group, device)
+        message = _name_first_different_value(description[0], values, group, device)
+        if values_differ == "warn":
+            warnings.warn(f"{message}; FSDP2 shards such replicas as they are, so each rank keeps its chunk of "
+                          f"a different model ({CHECK_VALUES_ENV}=error makes this an error)", stacklevel=4)
+            return
+        raise ReplicaMismatch(message)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, description, group=group)
     raise ReplicaMismatch(_first_difference(everyone, group))
@@ -100,21 +123,22 @@ def _cheap_checksum(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([words.sum() + tail, words[:words.numel() // 2].sum()])
 
 
-def _name_first_different_value(unit: str, values: list, group: dist.ProcessGroup, device: torch.device) -> None:
+def _name_first_different_value(unit: str, values: list, group: dist.ProcessGroup, device: torch.device) -> str:
     """Slow path, values differ: per-parameter checksums, to name the first."""
     mine = torch.stack([_cheap_checksum(t).to(device) for _, t in values])
     gathered = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_single(gathered, mine.reshape(-1), group=group)
+    all_gather_single(gathered, mine.reshape(-1), group=group)
     gathered = gathered.view(group.size(), *mine.shape)
     ranks = [dist.get_global_rank(group, r) for r in range(group.size())]
     for index, (name, _) in enumerate(values):
         differ = [rank for rank, g in zip(ranks, gathered) if not torch.equal(g[index], gathered[0][index])]
         if differ:
-            raise ReplicaMismatch(
+            return (
                 f"replicas start from different weights in unit '{unit}': '{name}' differs between rank {ranks[0]} "
                 f"and rank(s) {', '.join(map(str, differ))}; seed the initialisation the same on every rank, load "
                 f"the same weights everywhere, or build the model on the meta device ({CHECK_VALUES_ENV}=0 skips "
                 "this check, for weights loaded after fully_shard)")
+    return f"replicas start from different weights in unit '{unit}'"  # checksums of the sum differ only
 
 
 def _first_difference(descriptions: list, group: dist.ProcessGroup) -> str:

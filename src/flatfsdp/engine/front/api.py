@@ -97,7 +97,7 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
     if fsdp_unit_modules is None and optimizer is None:
         reshard = fsdp2_reshard_after_forward(reshard_after_forward, options["mesh"].shard)
         shard_unit(module, reshard_after_forward=reshard, shard_placement_fn=shard_placement_fn,
-                   exclude=ignored, require_shardable=True, **options)
+                   exclude=ignored, require_shardable=True, replica_values="warn", **options)
         return module
     if isinstance(module, (list, tuple)):
         raise TypeError("a list of modules is sharded as one unit by the per-module form, "

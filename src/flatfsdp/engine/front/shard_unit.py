@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatfsdp.engine.comm.coalesce import DEFAULT_BUCKET_BYTES
-from flatfsdp.engine.comm.fingerprint import check_ranks_agree, describe
+from flatfsdp.engine.comm.fingerprint import check_ranks_agree, describe, value_check_mode
 from flatfsdp.engine.runtime.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.engine.layout.arithmetic import shard_dim_for
 from flatfsdp.engine.layout.mesh import DataParallelMesh, data_parallel_dims, mesh_device
@@ -36,7 +36,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
                prefetch_bytes: int | None = None, bucket_bytes: int | None = None,
                meta_init_seed: int | None = None, shard_block=None, shard_placement_fn=None,
                require_shardable: bool = False, expert_mesh: DataParallelMesh | None = None,
-               offload: HostOffload | None = None) -> UnitState:
+               offload: HostOffload | None = None, replica_values: str = "error") -> UnitState:
     """Shard one unit: a module, or several modules that run as one (a list).
 
     ``shard_placement_fn(param) -> Shard(dim) | None`` picks each parameter's
@@ -44,7 +44,9 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     non-contiguous parameters as FSDP2 does instead of replicating them.
     Expert parameters (Megatron-Core marks them ``allreduce=False``) are
     sharded over ``expert_mesh`` when one is given. ``offload``: main weights
-    and gradients in host memory (offload.py)."""
+    and gradients in host memory (offload.py). ``replica_values``: "error" or
+    "warn" when data-parallel replicas start from different weights
+    (comm/fingerprint.py; FLATFSDP_CHECK_REPLICAS overrides)."""
     units = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     label = name or ", ".join(type(m).__name__ for m in units)
     _check_units(units, label)
@@ -60,9 +62,10 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     # Values must agree across data-parallel replicas; expert parameters hold a
     # different expert on each expert-parallel rank, so they are left out.
     values = [(s.fqn, s.param) for s in slots if expert_mesh is None or not _is_expert(s.param)]
+    values_differ = value_check_mode(replica_values)
     for dp_group in (mesh.shard, mesh.outer):
         if dp_group is not None and dp_group.size() > 1:
-            check_ranks_agree(description, dp_group.get_group(), device, values)
+            check_ranks_agree(description, dp_group.get_group(), device, values, values_differ)
     # By name: meta-device materialisation below replaces the parameter objects.
     experts = {s.fqn for s in slots if expert_mesh is not None and _is_expert(s.param)}
     meshes = {False: mesh, True: expert_mesh}

@@ -39,6 +39,19 @@ class Fsdp2StateView:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         return self._state._post_forward(module, args, {}, output)
 
+    def _lazy_init(self) -> None:
+        """Find the root and set up its schedule now rather than at the first forward."""
+        self._state._lazy_init()
+
+    @property
+    def _modules_to_run_forward(self) -> set[nn.Module]:
+        """A grouped unit's modules that have not run forward yet in this
+        root forward; empty for a single-module unit, as in FSDP2."""
+        modules = self._state.modules
+        if len(modules) == 1 or not self._state._forwarded:
+            return set()
+        return {m for m in modules if id(m) not in self._state._forwarded}
+
     @property
     def _is_root(self) -> bool | None:
         """FSDP2's tri-state: None before the first forward found the root."""
@@ -86,6 +99,11 @@ class _UnitFlush:
 
     def __init__(self, state: UnitState):
         self._state = state
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the unit's modules compute with gathered weights right now."""
+        return self._state._swapped_in
 
     def post_backward(self) -> None:
         state = self._state
