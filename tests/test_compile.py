@@ -5,7 +5,7 @@ each against an unsharded reference and the same script on stock FSDP2.
 
 The ``aot_eager`` backend keeps the suite quick: it runs dynamo's tracing and
 AOT autograd -- where the engine's hooks used to break the trace -- without
-inductor's C++ compilation, which docs/fsdp2.md measures by hand."""
+inductor's C++ compilation, which the bench measures (docs/compile.md)."""
 
 from __future__ import annotations
 

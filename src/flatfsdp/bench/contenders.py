@@ -48,7 +48,14 @@ def setup_floor(model: nn.Module, cfg: BenchConfig) -> Trainer:
     return Trainer(trainer.step, stage=None)
 
 
-def setup_fsdp2(model: nn.Module, cfg: BenchConfig) -> Trainer:
+def _maybe_compiled(model: nn.Module, compile_model: bool) -> nn.Module:
+    """``torch.compile`` of the whole sharded model, as HF Trainer's
+    ``torch_compile=True`` does (default inductor backend; the untimed warm-up
+    steps absorb the compilation)."""
+    return torch.compile(model) if compile_model else model
+
+
+def setup_fsdp2(model: nn.Module, cfg: BenchConfig, compile_model: bool = False) -> Trainer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -61,10 +68,11 @@ def setup_fsdp2(model: nn.Module, cfg: BenchConfig) -> Trainer:
     fully_shard(model, mesh=mesh, mp_policy=policy)
     # FSDP2 swaps parameters for DTensors: its optimizer is built after sharding.
     optimizer = build_optimizer(model.parameters(), cfg)
-    return Trainer(_plain_step(model, optimizer), stage=3)
+    return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer), stage=3)
 
 
-def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None = None) -> Trainer:
+def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None = None,
+                   compile_model: bool = False) -> Trainer:
     import flatfsdp
 
     # Megatron-FSDP style: the optimizer is built on the plain model, then bound.
@@ -75,8 +83,8 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
                                             zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy)
     if on_nonfinite is not None:
         flatfsdp.set_on_nonfinite(model, on_nonfinite)
-    return Trainer(_plain_step(model, optimizer), stage=STRATEGY_STAGE[cfg.strategy],
-                   account=flatfsdp.comm_account())
+    return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer),
+                   stage=STRATEGY_STAGE[cfg.strategy], account=flatfsdp.comm_account())
 
 
 def setup_deepspeed(model: nn.Module, cfg: BenchConfig) -> Trainer:
@@ -109,6 +117,9 @@ REGISTRY = {c.name: c for c in (
     Contender("flatfsdp", "flatfsdp", setup_flatfsdp, unavailable=_flatfsdp_unavailable,
               bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("flatfsdp-nocheck", "flatfsdp, no NaN flag", lambda m, c: setup_flatfsdp(m, c, "off"),
+              unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
+    Contender("fsdp2-compiled", "FSDP2, torch.compile", lambda m, c: setup_fsdp2(m, c, compile_model=True)),
+    Contender("flatfsdp-compiled", "flatfsdp, torch.compile", lambda m, c: setup_flatfsdp(m, c, compile_model=True),
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("deepspeed", "DeepSpeed ZeRO-3", setup_deepspeed, unavailable=ds.unavailable_reason,
               preload=ds.preload),

@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 CONTENDERS = ("floor", "fsdp2", "flatfsdp", "deepspeed")
-VARIANTS = ("flatfsdp-nocheck",)
+VARIANTS = ("flatfsdp-nocheck", "fsdp2-compiled", "flatfsdp-compiled")
 """Run only when named: flatfsdp with a per-step safety check turned off, to
-measure what the check costs in the same run (docs/reliability.md)."""
+measure what the check costs in the same run (docs/reliability.md); FSDP2 and
+flatfsdp with the whole sharded model under ``torch.compile`` (docs/compile.md)."""
 """Every contender the bench knows, in report order."""
 
 PRESETS = {"small-batch": dict(batch=1, seq_len=64), "large-batch": dict(batch=4, seq_len=256)}
