@@ -6,6 +6,7 @@ export and import them. See docs/checkpoints.md.
 checkpoint` command) run in a single process.
 """
 
+from flatfsdp.checkpoint.async_save import AsyncSave
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import export_checkpoint
 from flatfsdp.checkpoint.hf_export import CONFIG_ENTRY as HF_CONFIG_ENTRY
@@ -15,5 +16,5 @@ from flatfsdp.checkpoint.inspect import summarize
 from flatfsdp.checkpoint.manifest import MANIFEST_NAME
 from flatfsdp.checkpoint.save_load import check_save_target, load, save
 
-__all__ = ["CheckpointError", "HF_CONFIG_ENTRY", "MANIFEST_NAME", "check_save_target", "export_checkpoint", "export_hf",
+__all__ = ["AsyncSave", "CheckpointError", "HF_CONFIG_ENTRY", "MANIFEST_NAME", "check_save_target", "export_checkpoint", "export_hf",
            "import_state_dict", "load", "save", "summarize"]

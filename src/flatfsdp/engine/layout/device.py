@@ -65,3 +65,23 @@ def wait_event(event: "torch.Event | None") -> None:
     """Make the compute stream wait for side-stream work (no host block)."""
     if event is not None:
         torch.accelerator.current_stream().wait_event(event)
+
+
+def copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous host copies the caller owns, returned once every copy has
+    landed. From an accelerator the copies go into pinned memory without
+    blocking one by one, and the host waits once at the end; on CPU they are
+    plain clones (no pinning: it needs an accelerator and buys nothing there)."""
+    copies, sources = [], set()
+    for tensor in tensors:
+        tensor = tensor.detach()
+        if tensor.device.type == "cpu":
+            copies.append(tensor.clone(memory_format=torch.contiguous_format))
+            continue
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        copies.append(host)
+        sources.add(tensor.device)
+    for device in sources:
+        torch.accelerator.current_stream(device).synchronize()
+    return copies
