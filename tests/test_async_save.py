@@ -77,7 +77,8 @@ def _async_worker(rank: int, world: int, root: str) -> dict:
     out = {}
 
     state = _sharded(1, mesh)
-    handle = ckpt.save(state, target, async_save=True)
+    buffers = ckpt.StagingBuffers()  # kept across saves: host memory and the save plan are reused
+    handle = ckpt.save(state, target, async_save=True, staging=buffers)
     out["staged_bytes"] = handle.staged_bytes
     out["done_while_gated"] = handle.done()
     # "Training" goes on: the values change in place and the main thread runs
@@ -95,7 +96,8 @@ def _async_worker(rank: int, world: int, root: str) -> dict:
     out["new_after_wait"] = _same(_loaded(target, mesh), 1)
 
     # A save started while one is in flight waits for it (publishes it) first.
-    handle = ckpt.save(_sharded(2, mesh), target, async_save=True)
+    handle = ckpt.save(_sharded(2, mesh), target, async_save=True, staging=buffers)
+    out["buffers_kept"] = buffers.nbytes == out["staged_bytes"]
     ckpt.save(_sharded(3, mesh), os.path.join(root, "other"))
     out["published_by_next_save"] = handle.done() and _same(_loaded(target, mesh), 2)
     handle.wait()  # already published: returns at once
@@ -127,7 +129,7 @@ def test_async_save_publishes_what_was_passed_while_training_goes_on(tmp_path):
     for rank, out in enumerate(results):
         assert out["done_while_gated"] is False and out["all_reduce"] == 2.0
         assert out["old_while_in_flight"] and out["new_after_wait"], out
-        assert out["published_by_next_save"], out
+        assert out["published_by_next_save"] and out["buffers_kept"], out
         assert out["error"] is not None and out["error"].startswith("rank 1 could not write its part of"), out
         assert "No space left on device" in out["error"] and "keeps what it held" in out["error"]
         assert out["kept_after_error"]

@@ -6,7 +6,7 @@ export and import them. See docs/checkpoints.md.
 checkpoint` command) run in a single process.
 """
 
-from flatfsdp.checkpoint.async_save import AsyncSave
+from flatfsdp.checkpoint.async_save import AsyncSave, wait_for_saves_in_flight
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import export_checkpoint
 from flatfsdp.checkpoint.hf_export import CONFIG_ENTRY as HF_CONFIG_ENTRY
@@ -15,6 +15,7 @@ from flatfsdp.checkpoint.import_ import import_state_dict
 from flatfsdp.checkpoint.inspect import summarize
 from flatfsdp.checkpoint.manifest import MANIFEST_NAME
 from flatfsdp.checkpoint.save_load import check_save_target, load, save
+from flatfsdp.checkpoint.staging import StagingBuffers
 
 __all__ = ["AsyncSave", "CheckpointError", "HF_CONFIG_ENTRY", "MANIFEST_NAME", "check_save_target", "export_checkpoint", "export_hf",
-           "import_state_dict", "load", "save", "summarize"]
+           "import_state_dict", "load", "save", "StagingBuffers", "summarize", "wait_for_saves_in_flight"]

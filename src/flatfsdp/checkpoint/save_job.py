@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from flatfsdp.checkpoint import atomic, manifest
 from flatfsdp.checkpoint.coordination import Coordination
 from flatfsdp.checkpoint.errors import CheckpointError
-from flatfsdp.checkpoint.staging import StagingSavePlanner
+from flatfsdp.checkpoint.staging import StagingBuffers, StagingSavePlanner, layout_signature
 
 
 def _writer(path: str) -> dcp.FileSystemWriter:
@@ -53,7 +53,8 @@ def _plain(state_dict: dict) -> dict:
 class SaveJob:
     """Phase 1 runs in the constructor; see Note [the phases of a save]."""
 
-    def __init__(self, state_dict: dict, directory, co: Coordination, *, stage: bool):
+    def __init__(self, state_dict: dict, directory, co: Coordination, *, stage: bool,
+                 buffers: StagingBuffers | None = None):
         self.directory = atomic.normalize(directory)
         self.co = co
         self.token = co.broadcast(atomic.new_token() if co.is_coordinator else None)
@@ -61,8 +62,8 @@ class SaveJob:
         co.run_on_coordinator(self._prepare)
         self.writer = _writer(self.tmp)
         self.planner: StagingSavePlanner | None = StagingSavePlanner()
-        self.plan, self.metadata = self._agree_on_plan(_plain(state_dict))
-        self.staged_bytes = self.planner.stage(self.plan) if stage else 0
+        self.plan, self.metadata = self._agree_on_plan(_plain(state_dict), buffers if stage else None)
+        self.staged_bytes = self.planner.stage(self.plan, buffers) if stage else 0
         self.outcome: tuple[bool, Any] = (False, f"rank {co.rank}: the write of {self.directory} never ran")
 
     def _prepare(self) -> None:
@@ -71,13 +72,20 @@ class SaveJob:
         atomic.remove_leftovers(self.directory)
         os.makedirs(self.tmp)
 
-    def _local_plan(self, state_dict: dict) -> tuple[bool, Any]:
+    def _set_up(self, state_dict: dict) -> tuple[bool, Any]:
+        """DCP's planner and writer set up on ``state_dict``: (True, its layout signature) or (False, why not)."""
         try:
             self.planner.set_up_planner(state_dict=state_dict, storage_meta=self.writer.storage_meta(),
                                         is_coordinator=self.co.is_coordinator)
             self.writer.set_up_storage_writer(self.co.is_coordinator, rank=self.co.rank, use_collectives=True)
-            return True, self.writer.prepare_local_plan(self.planner.create_local_plan())
+            return True, layout_signature(self.planner.state_dict)
         except Exception as exc:  # travels to rank 0, which fails every rank with it
+            return False, f"rank {self.co.rank}: {type(exc).__name__}: {exc}"
+
+    def _local_plan(self) -> tuple[bool, Any]:
+        try:
+            return True, self.writer.prepare_local_plan(self.planner.create_local_plan())
+        except Exception as exc:
             return False, f"rank {self.co.rank}: {type(exc).__name__}: {exc}"
 
     def _global_plans(self, local: list[tuple[bool, Any]]) -> tuple[list[tuple[bool, Any]], Any]:
@@ -90,12 +98,23 @@ class SaveJob:
         except Exception as exc:
             return [(False, f"rank 0: {type(exc).__name__}: {exc}")] * self.co.world, None
 
-    def _agree_on_plan(self, state_dict: dict):
-        local = self.co.gather_to_coordinator(self._local_plan(state_dict))
+    def _agree_on_plan(self, state_dict: dict, buffers: StagingBuffers | None):
+        """This rank's final plan and (rank 0) the checkpoint's metadata. When
+        every rank's state dict has the layout of its previous save with the
+        same ``buffers``, that save's plan is reused: one tiny all-gather instead
+        of building, gathering and deduplicating the plans again."""
+        ok, signature = self._set_up(state_dict)
+        cached = buffers._cached_plan(signature) if ok and buffers is not None else None
+        if all(self.co.gather(cached is not None)):
+            plan, metadata = cached
+            return self.planner.finish_plan(plan), metadata
+        local = self.co.gather_to_coordinator(self._local_plan() if ok else (False, signature))
         per_rank, metadata = self._global_plans(local) if self.co.is_coordinator else (None, None)
         ok, plan = self.co.scatter_from_coordinator(per_rank)
         if not ok:
             raise CheckpointError(f"cannot save a checkpoint to {self.directory}: planning the save failed on {plan}")
+        if buffers is not None:
+            buffers._remember_plan(signature, plan, metadata)
         return self.planner.finish_plan(plan), metadata
 
     def write(self) -> None:
@@ -113,12 +132,15 @@ class SaveJob:
         finally:
             self.planner = None  # frees the staged copies as soon as they are on disk
 
-    def commit(self) -> None:
-        """Phase 3: publish the checkpoint, or raise the first rank's error on every rank."""
+    def commit(self, *, remove_old: bool = True) -> str | None:
+        """Phase 3: publish the checkpoint, or raise the first rank's error on
+        every rank. ``remove_old=False``: the replaced checkpoint is left for
+        the caller to delete; rank 0 gets its path (None elsewhere)."""
         outcomes = self.co.gather_to_coordinator(self.outcome)
-        self.co.run_on_coordinator(lambda: self._publish(outcomes))
+        old = self.co.run_on_coordinator(lambda: self._publish(outcomes, remove_old))
+        return old if self.co.is_coordinator else None
 
-    def _publish(self, outcomes: list[tuple[bool, Any]]) -> None:
+    def _publish(self, outcomes: list[tuple[bool, Any]], remove_old: bool) -> str | None:
         failed = [value for ok, value in outcomes if not ok]
         if failed:
             raise CheckpointError(f"{failed[0]} (nothing was published: {self.directory} keeps what it held)")
@@ -127,4 +149,4 @@ class SaveJob:
         for _, (_results, files) in outcomes:
             described.update(files)
         manifest.write_manifest(self.tmp, described)
-        atomic.publish(self.tmp, self.directory, self.token)
+        return atomic.publish(self.tmp, self.directory, self.token, remove_old=remove_old)

@@ -20,6 +20,7 @@ from flatfsdp.checkpoint.coordination import Coordination
 from flatfsdp.checkpoint.errors import CheckpointError, unwrap_dcp_errors
 from flatfsdp.checkpoint.safe_read import METADATA_NAME, SafeLoadPlanner, VerifiedReader
 from flatfsdp.checkpoint.save_job import SaveJob
+from flatfsdp.checkpoint.staging import StagingBuffers
 
 
 @contextlib.contextmanager
@@ -32,7 +33,7 @@ def quiet_no_dist(coordination: Coordination):
 
 
 def save(state_dict: dict, directory, *, process_group=None, no_dist: bool = False,
-         async_save: bool = False) -> AsyncSave | None:
+         async_save: bool = False, staging: StagingBuffers | None = None) -> AsyncSave | None:
     """Save ``state_dict`` (DTensors, tensors, plain values) as a DCP checkpoint at
     ``directory``, replacing a previous one atomically. Collective over
     ``process_group`` (default: the world) when one is initialised, unless
@@ -42,12 +43,13 @@ def save(state_dict: dict, directory, *, process_group=None, no_dist: bool = Fal
     Waits first for any save of this process still in flight. ``async_save``:
     return once this rank's share is copied to host memory, with an
     `AsyncSave` whose ``wait()`` (collective) publishes the checkpoint after
-    the background write; see Note [async saves]."""
+    the background write; see Note [async saves]. ``staging``: host memory
+    to copy into, kept from one async save to the next (`StagingBuffers`)."""
     co = Coordination(process_group, no_dist=no_dist)
     wait_for_saves_in_flight()
     with record_function("flatfsdp::checkpoint_save"):
         if async_save:
-            return start_async_save(state_dict, directory, co)
+            return start_async_save(state_dict, directory, co, staging)
         job = SaveJob(state_dict, directory, co, stage=False)
         job.write()
         job.commit()

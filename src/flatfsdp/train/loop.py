@@ -96,6 +96,7 @@ class Trainer:
         self.checkpoint: str | None = None
         """The last checkpoint published (an async save counts once its files are all written)."""
         self.pending: PendingSave | None = None
+        self.staging = checkpoint.StagingBuffers() if o.async_save else None
         """An async save whose files are being written (--async-save)."""
         self.all_written = False
         """Every rank's background write had ended at the last step's all-reduce."""
@@ -149,6 +150,7 @@ class Trainer:
             elif stopped == "exit_interval" and o.save:
                 self._save(o.save, step, progress, stopped)
             self._publish_pending(progress)  # every rank is here: the run ends with its last save published
+            checkpoint.wait_for_saves_in_flight()  # and the checkpoints it replaced deleted
         finally:
             progress.close()
         summary = finish_report(self, time.perf_counter() - started, stopped)
@@ -263,7 +265,7 @@ class Trainer:
             raise UsageError(f"step {step}: the weights hold NaN/inf; refusing to save them to {directory} "
                              "(the checkpoint there, if any, is kept)")
         handle = resume.save(directory, self.model, self.optimizer, step, self.data_flags, self.device,
-                             self.extra_entries, async_save=self.o.async_save)
+                             self.extra_entries, async_save=self.o.async_save, staging=self.staging)
         if handle is not None:
             self.pending = PendingSave(handle, directory, step, why, started, time.perf_counter() - started)
             return
@@ -278,7 +280,7 @@ class Trainer:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        pending.handle.wait()
+        pending.handle.wait(remove_old_in_background=True)
         self.checkpoint = pending.directory
         took = time.perf_counter() - pending.started
         self.log.event(pending.step, f"{pending.why}: checkpoint {pending.directory} (async: training paused "
