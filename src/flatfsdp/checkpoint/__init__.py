@@ -1,7 +1,8 @@
 """Checkpoint files: atomic, verified DCP checkpoints and tools to inspect,
 export and import them. See docs/checkpoints.md.
 
-`save`/`load` work with or without an initialised process group; the tools
+`save`/`load` work with or without an initialised process group; `save(...,
+async_save=True)` writes in the background (Note [async saves]); the tools
 (`summarize`, `export_checkpoint`, `export_hf`, `import_state_dict`, the `flatfsdp
 checkpoint` command) run in a single process.
 """
