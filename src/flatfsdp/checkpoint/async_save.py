@@ -12,10 +12,10 @@ the ranks need not agree on. Phase 3, the one that needs the ranks to agree
 the directory in), runs on the caller's thread in `AsyncSave.wait()`, which
 every rank calls: explicitly, or implicitly when the next `save` starts.
 
-A thread, not a process: DCP's file writes, fsync and sha256 release the GIL
-for the long part of their work, the staged copy is shared without another
-copy, and a process would need the state pickled across. What the training
-loop still feels is measured in docs/checkpoints.md.
+A thread, not a process: the staged copy is shared without another copy,
+and a process would need the state pickled across. File writes, fsync and
+sha256 release the GIL; DCP's per-tensor serialisation holds it in part.
+What the training loop still feels is measured in docs/checkpoints.md.
 
 What can happen meanwhile:
 
