@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from flatfsdp import checkpoint as ckpt
-from flatfsdp.checkpoint import atomic, export, manifest, save_load
+from flatfsdp.checkpoint import atomic, export, manifest, save_job
 from flatfsdp.checkpoint.cli import main as cli
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.models.gpt import GPT, GPTConfig
@@ -227,7 +227,7 @@ def _dying_save_entry(rank: int, port: int, target: str, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=15))
     mesh = init_device_mesh("cpu", (2,))
     ckpt.save(_sharded_state(0, mesh), target)
-    save_load._writer = _DyingWriter  # only for this spawned process
+    save_job._writer = _DyingWriter  # only for this spawned process
     try:
         ckpt.save(_sharded_state(1, mesh), target)
         results.put((rank, "returned"))

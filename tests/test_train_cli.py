@@ -45,9 +45,12 @@ def _wait_for_step(proc: subprocess.Popen, step: int, timeout_s: float = 120) ->
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
-    """A real `flatfsdp train` run stopped by SIGINT after its third step."""
+    """A real `flatfsdp train` run stopped by SIGINT after its third step, with
+    an async save started after every step: the save in flight when Ctrl-C
+    arrives is published, then the interrupt checkpoint is taken and published."""
     run_dir = tmp_path_factory.mktemp("interrupted")
-    proc = _start(TINY + LONG + ["--log-interval", "1", "--run-dir", str(run_dir)])
+    proc = _start(TINY + LONG + ["--log-interval", "1", "--run-dir", str(run_dir), "--save", str(run_dir / "checkpoint"),
+                                 "--save-interval", "1", "--async-save"])
     try:
         _wait_for_step(proc, 3)
         proc.send_signal(signal.SIGINT)

@@ -32,7 +32,7 @@ def results(tmp_path_factory):
     def job(name: str, *flags: str) -> list[str]:
         return TINY + ["--run-dir", str(root / name), *flags]
 
-    ckpt, bf16_ckpt = str(root / "ckpt"), str(root / "bf16-ckpt")
+    ckpt, bf16_ckpt, async_ckpt = str(root / "ckpt"), str(root / "bf16-ckpt"), str(root / "async-ckpt")
     jobs = {
         "straight": job("straight", "--train-iters", "8"),
         "first_half": job("first_half", "--train-iters", "8", "--exit-interval", "4", "--save", ckpt),
@@ -48,6 +48,9 @@ def results(tmp_path_factory):
         "one_pass": job("one_pass", "--train-iters", "4", "--micro-batch-size", "4", "--global-batch-size", "8"),
         "accumulated": job("accumulated", "--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "8",
                            "--calculate-per-token-loss", "--data-parallel-sharding-strategy", "optim_grads"),
+        "async_first": job("async_first", "--train-iters", "8", "--exit-interval", "5", "--save", async_ckpt,
+                           "--save-interval", "2", "--async-save"),
+        "async_second": job("async_second", "--train-iters", "8", "--load", async_ckpt),
         "other_strategy": job("other_strategy", "--train-iters", "8", "--load", ckpt,
                               "--data-parallel-sharding-strategy", "no_shard"),
     }
@@ -109,3 +112,18 @@ def test_save_interval_saves_along_the_way_and_at_the_end(results):
     checkpoint = str(results["root"] / "meta-ckpt")
     assert log["events"] == [{"step": s, "event": f"save: checkpoint {checkpoint}"} for s in (3, 6, 8)]
     assert results["meta"]["checkpoint"] == checkpoint
+
+
+def test_async_saves_publish_in_order_and_resume_bitwise(results):
+    """--async-save every 2 steps, stopping at 5: the saves of steps 2 and 4 are
+    published while training goes on (or at the next save), the one of step 5
+    before the run ends; resuming from it continues bit for bit."""
+    first, second = results["async_first"], results["async_second"]
+    assert first["stopped"] == "exit_interval" and second["first_step"] == 6
+    assert first["losses"] + second["losses"] == results["straight"]["losses"]
+    log = json.loads((results["root"] / "async_first" / "log.json").read_text())
+    checkpoint = str(results["root"] / "async-ckpt")
+    steps = [e["step"] for e in log["events"]]
+    assert steps == [2, 4, 5], log["events"]
+    assert all(e["event"].startswith(f"{why}: checkpoint {checkpoint} (async: training paused ")
+               for e, why in zip(log["events"], ["save", "save", "exit_interval"]))

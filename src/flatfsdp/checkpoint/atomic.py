@@ -89,17 +89,23 @@ def _swap_in(tmp: str, directory: str, token: str) -> str:
     return aside
 
 
-def publish(tmp: str, directory: str, token: str) -> None:
-    """Make the finished ``tmp`` (manifest included) the checkpoint at ``directory``."""
+def publish(tmp: str, directory: str, token: str, *, remove_old: bool = True) -> str | None:
+    """Make the finished ``tmp`` (manifest included) the checkpoint at ``directory``.
+    The checkpoint it replaces is deleted, or with ``remove_old=False`` left
+    under a leftover name (``DIR.tmp-``/``DIR.old-<token>``), returned, for the
+    caller to delete: a crash before that leaves debris the next save removes."""
     _fsync_dir(tmp)
     parent = os.path.dirname(directory)
     if os.path.exists(directory):
         old = _swap_in(tmp, directory, token)
         _fsync_dir(parent)
+        if not remove_old:
+            return old
         shutil.rmtree(old)
     else:
         os.rename(tmp, directory)
         _fsync_dir(parent)
+    return None
 
 
 def _complete(path: str) -> bool:

@@ -45,6 +45,22 @@ class Coordination:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
+    def gather_to_coordinator(self, value: Any) -> list | None:
+        """Every rank's ``value``, in rank order, on rank 0 (None elsewhere)."""
+        if not self.distributed:
+            return [value]
+        out = [None] * self.world if self.is_coordinator else None
+        dist.gather_object(value, out, group=self.group, group_dst=0)
+        return out
+
+    def scatter_from_coordinator(self, values: list | None) -> Any:
+        """Rank 0's ``values[r]`` on rank r (``values`` is read on rank 0 only)."""
+        if not self.distributed:
+            return values[0]
+        box = [None]
+        dist.scatter_object_list(box, values if self.is_coordinator else None, group=self.group, group_src=0)
+        return box[0]
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)

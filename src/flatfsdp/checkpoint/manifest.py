@@ -39,12 +39,35 @@ def _data_files(directory: str) -> list[str]:
     return sorted(found)
 
 
-def write_manifest(directory: str) -> dict:
-    """Hash every file in ``directory`` and write the manifest durably (fsync)."""
-    files = {}
-    for rel in _data_files(directory):
+def describe_files(directory: str, names) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of files under ``directory``, read back from disk."""
+    out = {}
+    for rel in sorted(names):
         path = os.path.join(directory, rel)
-        files[rel] = {"size": os.path.getsize(path), "sha256": sha256_of(path)}
+        out[rel] = {"size": os.path.getsize(path), "sha256": sha256_of(path)}
+    return out
+
+
+def write_manifest(directory: str, described: dict[str, dict] | None = None) -> dict:
+    """Write the manifest of every file in ``directory`` durably (fsync).
+
+    ``described``: entries already hashed by the ranks that wrote those files
+    (each rank reads its own files back after fsync, so the hashing is spread
+    over the ranks); every other file is hashed here. A described file that is
+    missing or whose size differs on disk is an error: the manifest never
+    vouches for bytes nobody read."""
+    described = described or {}
+    present = _data_files(directory)
+    absent = sorted(set(described) - set(present))
+    if absent:
+        raise CheckpointError(f"{os.path.join(directory, absent[0])}: written by a rank but missing at commit")
+    files = describe_files(directory, [rel for rel in present if rel not in described])
+    for rel, entry in described.items():
+        size = os.path.getsize(os.path.join(directory, rel))
+        if size != entry["size"]:
+            raise CheckpointError(f"{os.path.join(directory, rel)}: {size} bytes at commit, but {entry['size']} "
+                                  "when the rank that wrote it hashed it")
+        files[rel] = dict(entry)
     manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "files": files}
     with open(os.path.join(directory, MANIFEST_NAME), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)

@@ -1,29 +1,26 @@
 """`save` and `load`: DCP with atomic publication, a manifest, and checked loading.
 
-See Note [atomic checkpoint directories] (atomic.py) and Note [checkpoint
-pickles] (safe_read.py).
+See Note [the phases of a save] (save_job.py), Note [async saves]
+(async_save.py), Note [atomic checkpoint directories] (atomic.py) and Note
+[checkpoint pickles] (safe_read.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch.distributed.checkpoint as dcp
 from torch.profiler import record_function
 
 from flatfsdp.checkpoint import atomic, manifest
+from flatfsdp.checkpoint.async_save import AsyncSave, start_async_save, wait_for_saves_in_flight
 from flatfsdp.checkpoint.compare import mismatch_report
 from flatfsdp.checkpoint.coordination import Coordination
 from flatfsdp.checkpoint.errors import CheckpointError, unwrap_dcp_errors
 from flatfsdp.checkpoint.safe_read import METADATA_NAME, SafeLoadPlanner, VerifiedReader
-
-
-def _writer(path: str) -> dcp.FileSystemWriter:
-    # sync_files: every data file is fsynced before DCP reports it written, so
-    # the manifest (written after) never describes bytes still in page cache.
-    return dcp.FileSystemWriter(path, sync_files=True)
+from flatfsdp.checkpoint.save_job import SaveJob
+from flatfsdp.checkpoint.staging import StagingBuffers
 
 
 @contextlib.contextmanager
@@ -35,34 +32,28 @@ def quiet_no_dist(coordination: Coordination):
         yield
 
 
-def save(state_dict: dict, directory, *, process_group=None, no_dist: bool = False) -> None:
+def save(state_dict: dict, directory, *, process_group=None, no_dist: bool = False,
+         async_save: bool = False, staging: StagingBuffers | None = None) -> AsyncSave | None:
     """Save ``state_dict`` (DTensors, tensors, plain values) as a DCP checkpoint at
     ``directory``, replacing a previous one atomically. Collective over
     ``process_group`` (default: the world) when one is initialised, unless
     ``no_dist`` (this process alone writes the whole checkpoint). Refuses a
-    ``directory`` that exists and is neither a checkpoint nor empty."""
-    directory = atomic.normalize(directory)
+    ``directory`` that exists and is neither a checkpoint nor empty.
+
+    Waits first for any save of this process still in flight. ``async_save``:
+    return once this rank's share is copied to host memory, with an
+    `AsyncSave` whose ``wait()`` (collective) publishes the checkpoint after
+    the background write; see Note [async saves]. ``staging``: host memory
+    to copy into, kept from one async save to the next (`StagingBuffers`)."""
     co = Coordination(process_group, no_dist=no_dist)
-    token = co.broadcast(atomic.new_token() if co.is_coordinator else None)
-    tmp = atomic.temp_path(directory, token)
-
-    def prepare():
-        atomic.recover(directory)
-        atomic.check_replaceable(directory)  # before anything is deleted: Note [only our own files]
-        atomic.remove_leftovers(directory)
-        os.makedirs(tmp)
-
-    def publish():
-        manifest.write_manifest(tmp)
-        atomic.publish(tmp, directory, token)
-
+    wait_for_saves_in_flight()
     with record_function("flatfsdp::checkpoint_save"):
-        co.run_on_coordinator(prepare)
-        with quiet_no_dist(co), unwrap_dcp_errors():
-            dcp.save(state_dict, storage_writer=_writer(tmp), process_group=process_group,
-                     no_dist=not co.distributed)
-        co.barrier()  # every rank's files are on disk before the manifest describes them
-        co.run_on_coordinator(publish)
+        if async_save:
+            return start_async_save(state_dict, directory, co, staging)
+        job = SaveJob(state_dict, directory, co, stage=False)
+        job.write()
+        job.commit()
+    return None
 
 
 def check_save_target(directory) -> None:

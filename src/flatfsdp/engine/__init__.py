@@ -7,6 +7,7 @@ enforces the layers drawn in docs/architecture.md.
 
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
 from flatfsdp.engine.layout.strategy import ShardingStrategy
+from flatfsdp.engine.layout.device import copy_to_host
 from flatfsdp.engine.comm.comm_account import CommAccount, comm_account
 from flatfsdp.engine.comm.fingerprint import ReplicaMismatch, verify_replicas
 from flatfsdp.engine.comm.watchdog import TIMEOUT_ENV, CollectiveTimeout
@@ -31,4 +32,6 @@ __all__ = [
     "verify_replicas", "CollectiveTimeout", "TIMEOUT_ENV",
     "mark_initialized",
     "set_on_nonfinite", "NonFiniteWarning", "NONFINITE_ENV",
+    # for applications (checkpoint staging): where host copies of device tensors go
+    "copy_to_host",
 ]

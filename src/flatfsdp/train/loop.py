@@ -94,6 +94,12 @@ class Trainer:
         self.losses: list[tuple[int, float]] = []
         self.evals: list[tuple[int, float]] = []
         self.checkpoint: str | None = None
+        """The last checkpoint published (an async save counts once its files are all written)."""
+        self.pending: PendingSave | None = None
+        self.staging = checkpoint.StagingBuffers() if o.async_save else None
+        """An async save whose files are being written (--async-save)."""
+        self.all_written = False
+        """Every rank's background write had ended at the last step's all-reduce."""
         self.skipped: list[int] = []
         """Steps skipped for NaN/inf (--on-nonfinite skip)."""
         self.error: str | None = None
@@ -126,6 +132,8 @@ class Trainer:
             for step in range(self.first_step + 1, o.train_iters + 1):
                 step_started = time.perf_counter()
                 loss, interrupted, nonfinite = self._step(step)
+                if self.pending and self.all_written:
+                    self._publish_pending(progress)
                 if nonfinite is None:
                     self._record(step, loss, time.perf_counter() - step_started, progress)
                 elif self._nonfinite(step, nonfinite, progress):
@@ -141,6 +149,8 @@ class Trainer:
                 self._at_end(progress)
             elif stopped == "exit_interval" and o.save:
                 self._save(o.save, step, progress, stopped)
+            self._publish_pending(progress)  # every rank is here: the run ends with its last save published
+            checkpoint.wait_for_saves_in_flight()  # and the checkpoints it replaced deleted
         finally:
             progress.close()
         summary = finish_report(self, time.perf_counter() - started, stopped)
@@ -158,6 +168,7 @@ class Trainer:
             if self.rank == 0:
                 progress.note(f"skipped {what}")
             return False
+        self._publish_pending(progress)  # taken before the NaN, from finite weights
         kept = f"; the last checkpoint, {self.checkpoint}, is kept" if self.checkpoint else ""
         self.error = (f"{what}: stopped before the optimizer step, nothing saved{kept} "
                       "(lower --lr, or pass --on-nonfinite skip to skip such steps)")
@@ -178,12 +189,16 @@ class Trainer:
         totals = forward_backward(self.model, batches, self.loss, per_token=o.calculate_per_token_loss)
         flag = torch.tensor([1.0 if self.stop.requested else 0.0], dtype=torch.float64, device=self.device)
         bad = flatfsdp.local_nonfinite(self.model, totals[0]).to(self.device, torch.float64).reshape(1)
-        agreed = torch.cat([totals, flag, bad])
+        written = torch.tensor([1.0 if self.pending and self.pending.handle.done() else 0.0], dtype=torch.float64,
+                               device=self.device)
+        agreed = torch.cat([totals, flag, bad, written])
         # The one all-reduce of a step: loss sum, token count, how many ranks saw
-        # Ctrl-C and how many saw NaN/inf -- before the optimizer step, which a
-        # non-finite step must not reach.
+        # Ctrl-C, how many saw NaN/inf -- before the optimizer step, which a
+        # non-finite step must not reach -- and how many finished writing an
+        # async save (when all have, it is published after this step).
         dist.all_reduce(agreed)
-        loss_sum, tokens, stops, nonfinite = agreed.tolist()
+        loss_sum, tokens, stops, nonfinite, written = agreed.tolist()
+        self.all_written = written == self.world
         if nonfinite:
             report = flatfsdp.nonfinite_report(self.model, totals[0])
             self.optimizer.zero_grad(set_to_none=True)
@@ -244,12 +259,43 @@ class Trainer:
             progress.note(f"eval at step {step}: held-out loss {loss:.4f}")
 
     def _save(self, directory: str, step: int, progress, why: str) -> None:
+        self._publish_pending(progress)  # one save at a time, in order
         started = time.perf_counter()
         if not self._weights_finite():  # belt and braces: never replace a good checkpoint with NaN
             raise UsageError(f"step {step}: the weights hold NaN/inf; refusing to save them to {directory} "
                              "(the checkpoint there, if any, is kept)")
-        resume.save(directory, self.model, self.optimizer, step, self.data_flags, self.device, self.extra_entries)
+        handle = resume.save(directory, self.model, self.optimizer, step, self.data_flags, self.device,
+                             self.extra_entries, async_save=self.o.async_save, staging=self.staging)
+        if handle is not None:
+            self.pending = PendingSave(handle, directory, step, why, started, time.perf_counter() - started)
+            return
         self.checkpoint = directory
         self.log.event(step, f"{why}: checkpoint {directory}")
         if self.rank == 0:
             progress.note(f"saved checkpoint {directory} at step {step} ({time.perf_counter() - started:.1f} s)")
+
+    def _publish_pending(self, progress) -> None:
+        """Collective: publish the async save in flight (its write is waited
+        for), or raise its error on every rank."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        pending.handle.wait(remove_old_in_background=True)
+        self.checkpoint = pending.directory
+        took = time.perf_counter() - pending.started
+        self.log.event(pending.step, f"{pending.why}: checkpoint {pending.directory} (async: training paused "
+                                     f"{pending.stall_s:.3f} s, published after {took:.1f} s)")
+        if self.rank == 0:
+            progress.note(f"saved checkpoint {pending.directory} at step {pending.step} in the background "
+                          f"(training paused {pending.stall_s:.2f} s; published after {took:.1f} s)")
+
+
+@dataclasses.dataclass
+class PendingSave:
+    handle: checkpoint.AsyncSave
+    directory: str
+    step: int
+    why: str
+    started: float
+    stall_s: float
+    """Seconds training stood still for this save: finite check, plan, copy to host memory."""

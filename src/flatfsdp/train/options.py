@@ -95,6 +95,9 @@ class TrainOptions:
                                    "every --save-interval steps, Ctrl-C)")
     load: str | None = _flag(None, "resume from this checkpoint: weights, optimizer state, step, RNG")
     save_interval: int | None = _flag(None, "steps between checkpoints to --save (default: only at the end)")
+    async_save: bool = _flag(False, "training goes on while checkpoints are written: each save pauses it only "
+                                    "to copy the shards to host memory; the checkpoint replaces the previous one "
+                                    "once every rank's files are written")
     exit_interval: int | None = _flag(None, "stop after the first step divisible by this (saving to --save), "
                                             "as if interrupted but with exit status 0")
     eval_interval: int = _flag(100, "steps between evaluations on the held-out text (0: only at the end)")

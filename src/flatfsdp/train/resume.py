@@ -42,14 +42,16 @@ def train_state(step: int, values: dict[str, int], device: torch.device) -> dict
 
 
 def save(directory: str, model, optimizer, step: int, values: dict[str, int], device: torch.device,
-         entries: dict[str, str] | None = None) -> None:
+         entries: dict[str, str] | None = None, *, async_save: bool = False,
+         staging: checkpoint.StagingBuffers | None = None) -> checkpoint.AsyncSave | None:
     """``entries``: JSON strings saved beside the tensors -- the transformers
     config (``hf_config``, which `flatfsdp checkpoint export --format hf` writes
-    out as config.json) and the LoRA settings (``lora_config``)."""
+    out as config.json) and the LoRA settings (``lora_config``). ``async_save``:
+    and ``staging``: see `flatfsdp.checkpoint.save`."""
     state = {"model": model.state_dict(), "optim": optimizer.state_dict(),
              "train": train_state(step, values, device)}
     state.update(entries or {})
-    checkpoint.save(state, directory)
+    return checkpoint.save(state, directory, async_save=async_save, staging=staging)
 
 
 def load(directory: str, model, optimizer, values: dict[str, int], device: torch.device) -> dict:
