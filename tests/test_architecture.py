@@ -25,7 +25,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "flatfsdp"
 # Bottom-up; keep in step with docs/architecture.md.
 PACKAGES = {"layout": 1, "comm": 2, "groups": 3, "runtime": 4, "front": 5}
 LAYERS = {
-    "layout.arithmetic": 0, "layout.strategy": 0,
+    "layout.arithmetic": 0, "layout.strategy": 0, "layout.lowbit": 0,
     "layout.device": 1, "layout.precision": 1, "layout.buffer": 1, "layout.views": 1, "layout.mesh": 1,
     "layout.placement": 1, "layout.offload": 1,
     "comm.comm_account": 0, "comm.torch_collectives": 0, "comm.watchdog": 1,
