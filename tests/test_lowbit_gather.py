@@ -48,6 +48,14 @@ def shard(front: str, strategy: str, **lowbit):
         opt = make_optimizer("adamw", model.named_parameters())
         return flatfsdp.fully_shard(model, opt, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy,
                                     lowbit_block=BLOCK, **lowbit)
+    if front in ("hsdp", "hfsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        opt = make_optimizer("adamw", model.named_parameters())
+        return flatfsdp.fully_shard(model, opt, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy,
+                                    device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                                    outer_dp_sharding_strategy="optim" if front == "hfsdp" else 0,
+                                    lowbit_block=BLOCK, **lowbit)
     for block in model.blocks:
         flatfsdp.fully_shard(block, zero_dp_strategy=strategy, lowbit_block=BLOCK, **lowbit)
     flatfsdp.fully_shard(model, zero_dp_strategy=strategy, lowbit_block=BLOCK, **lowbit)
@@ -83,9 +91,10 @@ def run_config(rank, world, kind, front, strategy, grad=None):
         losses.append(global_mean(loss))
         account = flatfsdp.comm_account().snapshot()
         distance.append(gathered_vs_quantized_main(model, fmt))
+        by_dim = flatfsdp.comm_account().by_dim()  # with the next weights' codes, made for the check
     encodes = [p.encodes for p in plans(model)]
     rows = [p.nbytes for p in plans(model)]
-    return dict(losses=losses, distance=distance, encodes=encodes, rows=rows, account=account)
+    return dict(losses=losses, distance=distance, encodes=encodes, rows=rows, account=account, account_by_dim=by_dim)
 
 
 def zero3_worker(rank, world):
@@ -126,3 +135,38 @@ def test_quantized_once_per_step_and_the_account_shows_the_bytes(zero3, kind):
     vectors = sum(p.numel() for p in model.blocks[0].parameters() if p.dim() < 2)
     assert block_0 == matrices + 4 * matrices // BLOCK + 4 * vectors
     assert block_0 < (matrices + vectors) * 4 * 0.35  # against 4 bytes an element in fp32
+
+
+def strategies_worker(rank, world):
+    if world == 4:
+        return {(front, "int8"): run_config(rank, world, "int8", front, "optim_grads_params")
+                for front in ("hsdp", "hfsdp")}
+    return {(strategy, kind): run_config(rank, world, kind, "one-call", strategy)
+            for strategy in ("optim", "optim_grads") for kind in ("int8", "fp8")}
+
+
+@pytest.mark.parametrize("world, config", [(2, ("optim", "int8")), (2, ("optim", "fp8")),
+                                           (2, ("optim_grads", "int8")), (4, ("hsdp", "int8")),
+                                           (4, ("hfsdp", "int8"))])
+def test_every_strategy_and_outer_dimension_computes_with_the_quantized_main_weights(world, config):
+    out = _strategies(world)[0][config]
+    assert max(out["distance"]) <= 1e-6, out["distance"]
+    reference = qdq_reference(STEPS, LowBitFormat(config[1], BLOCK))
+    assert abs(out["losses"][0] - reference[0]) <= 1e-6 * abs(reference[0])
+    assert max(abs(a - b) / b for a, b in zip(out["losses"], reference)) < 1e-5, (out["losses"], reference)
+    # ZeRO-1/2 gather once per optimizer step anyway; HSDP/HFSDP (ZeRO-3 inside) twice: codes once either way.
+    assert out["encodes"] == [STEPS + 1] * 3
+    if config[0] == "hfsdp":
+        # The outer dimension carries the step's codes too: three byte gathers
+        # (codes, scales, vectors) per group, not the fp32 weights.
+        outer = out["account_by_dim"]["dp_outer"]["all_gather"]
+        assert outer["count"] == 3 * 3 and outer["bytes"] < 0.35 * 4 * sum(p.numel() for p in make_model().parameters())
+
+
+_CACHE: dict = {}
+
+
+def _strategies(world):
+    if world not in _CACHE:
+        _CACHE[world] = run_ranks(strategies_worker, world)
+    return _CACHE[world]
