@@ -29,7 +29,7 @@ LAYERS = {
     "layout.device": 1, "layout.precision": 1, "layout.buffer": 1, "layout.views": 1, "layout.mesh": 1,
     "layout.placement": 1, "layout.offload": 1,
     "comm.comm_account": 0, "comm.torch_collectives": 0, "comm.watchdog": 1,
-    "comm.exchange": 2, "comm.collectives": 2, "comm.fingerprint": 2, "comm.schedule_check": 2,
+    "comm.exchange": 2, "comm.lowbit_reduce": 2, "comm.collectives": 2, "comm.fingerprint": 2, "comm.schedule_check": 2,
     "comm.gather": 3, "comm.lowbit_gather": 3, "comm.coalesce": 3, "comm.reduction_queue": 3, "comm.outer_shard": 3,
     "groups.slots": 4, "groups.buffers": 4, "groups.gradients": 4, "groups.param_group": 4,
     "groups.subclass_gather": 4, "groups.subclass_buffers": 4, "groups.subclass_group": 4,

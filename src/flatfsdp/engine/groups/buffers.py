@@ -42,11 +42,14 @@ class GroupBuffers:
 
     def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
                  compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 trainable: bool, offload: HostOffload | None, lowbit: LowBitFormat | None = None):
+                 trainable: bool, offload: HostOffload | None, lowbit: LowBitFormat | None = None,
+                 grad_lowbit: LowBitFormat | None = None):
         """``lowbit``: gather the weights as 8-bit codes (comm/lowbit_gather.py);
         None or a replicated group: in the compute dtype."""
         self.layout, self.placement, self.index = layout, placement, index
         self.lowbit = lowbit if placement.sharded else None
+        self.grad_lowbit = grad_lowbit if placement.sharded else None
+        """Gradients reduce-scattered as codes (comm/lowbit_reduce.py); None: in ``reduce_dtype``."""
         self.pg = placement.mesh.get_group()
         outer = placement.dp.outer
         self.outer_pg = outer.get_group() if outer is not None and outer.size() > 1 else None

@@ -66,7 +66,7 @@ class ParamGroup:
         self.buffers = GroupBuffers(self.layout, placement, index=self.index, device=device,
                                     compute_dtype=self.compute_dtype, main_dtype=self.main_dtype,
                                     reduce_dtype=self.reduce_dtype, trainable=self.trainable, offload=offload,
-                                    lowbit=lowbit)
+                                    lowbit=lowbit, grad_lowbit=policy.reduce_format if self.trainable else None)
         self.bound_optimizers: weakref.WeakSet = weakref.WeakSet()
         """Optimizers bound by fully_shard_optimizer that step these parameters."""
         self._written = 0

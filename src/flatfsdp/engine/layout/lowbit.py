@@ -147,6 +147,29 @@ def _fp8_as_fp16(codes: torch.Tensor) -> torch.Tensor:
     return wide.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
 
 
+def _flat_parts(x: torch.Tensor, block: int) -> list[tuple[torch.Tensor, slice]]:
+    """A 1-D tensor as (whole blocks, one a row) and its short tail (one row)."""
+    full = x.numel() // block
+    parts = []
+    if full:
+        parts.append((x[:full * block].view(full, block), slice(0, full)))
+    if x.numel() % block:
+        parts.append((x[full * block:].view(1, -1), slice(full, full + 1)))
+    return parts
+
+
+def quantize_flat(x: torch.Tensor, fmt: LowBitFormat, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """A 1-D tensor in consecutive blocks (a gradient chunk: blocks may span
+    parameters); ``scales`` holds ``fmt.blocks(x.numel())`` values."""
+    for (values, cols), (c, _) in zip(_flat_parts(x, fmt.block), _flat_parts(codes, fmt.block)):
+        quantize(values, fmt, c, scales[cols].view(-1, 1))
+
+
+def dequantize_flat(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, out: torch.Tensor) -> None:
+    for (c, cols), (o, _) in zip(_flat_parts(codes, fmt.block), _flat_parts(out, fmt.block)):
+        dequantize(c, scales[cols].view(-1, 1), fmt, o)
+
+
 def quantize_dequantize(x: torch.Tensor, fmt: LowBitFormat, dtype: torch.dtype | None = None) -> torch.Tensor:
     """What ``x`` becomes after a low-bit round trip, as a weight gather does
     it (rows = ``x``'s trailing dimensions past dim 0; vectors and scalars are
