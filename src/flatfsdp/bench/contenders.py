@@ -71,8 +71,10 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
     optimizer = build_optimizer(model.parameters(), cfg)
     policy = (flatfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=cfg.reduce_dtype)
               if cfg.bf16 else None)
+    lowbit = dict(param_gather_dtype=cfg.param_gather_dtype,
+                  grad_reduce_dtype=None if cfg.grad_reduce_dtype == "fp32" else cfg.grad_reduce_dtype)
     model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=[TransformerBlock],
-                                            zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy)
+                                            zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy, **lowbit)
     if on_nonfinite is not None:
         flatfsdp.set_on_nonfinite(model, on_nonfinite)
     return Trainer(_plain_step(model, optimizer), stage=STRATEGY_STAGE[cfg.strategy],

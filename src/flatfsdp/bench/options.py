@@ -51,6 +51,9 @@ class BenchConfig:
     bf16: bool = False
     """Compute in bf16 with fp32 main weights and optimizer state."""
     grad_reduce_dtype: str = "fp32"
+    """fp32, bf16 (flatfsdp: also with fp32 compute) or int8 (flatfsdp only: block-scaled codes)."""
+    param_gather_dtype: str | None = None
+    """flatfsdp gathers weights as int8 or fp8 codes (the others gather in the compute dtype)."""
     """Dtype gradients are reduced in under --bf16 ("fp32" or "bf16")."""
     strategy: str = "optim_grads_params"
     """flatfsdp's zero_dp_strategy."""
@@ -71,7 +74,7 @@ class BenchConfig:
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return _DTYPES[self.grad_reduce_dtype] if self.bf16 else torch.float32
+        return _DTYPES.get(self.grad_reduce_dtype, torch.float32) if self.bf16 else torch.float32
 
     @property
     def tolerance(self) -> float:
@@ -103,7 +106,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--nprocs", type=int, default=d.nprocs, help="local ranks (ignored under torchrun)")
     p.add_argument("--threads-per-rank", type=int, default=d.threads_per_rank)
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
-    p.add_argument("--grad-reduce-dtype", choices=sorted(_DTYPES), default=d.grad_reduce_dtype)
+    p.add_argument("--grad-reduce-dtype", choices=sorted(_DTYPES) + ["int8"], default=d.grad_reduce_dtype,
+                   help="gradient reduction; FSDP2 and DeepSpeed follow it with --bf16 only; int8: flatfsdp only")
+    p.add_argument("--param-gather-dtype", choices=["int8", "fp8"], default=None,
+                   help="flatfsdp gathers weights as 8-bit codes (docs/lowbit.md)")
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help="flatfsdp's zero_dp_strategy")
     p.add_argument("--contenders", default=",".join(d.contenders), help=f"comma list from {','.join(CONTENDERS + VARIANTS)}")
     p.add_argument("--lr", type=float, default=d.lr)
@@ -132,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
                        context=context, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                        nprocs=args.nprocs, threads_per_rank=args.threads_per_rank, bf16=args.bf16,
-                       grad_reduce_dtype=args.grad_reduce_dtype, strategy=args.strategy, contenders=names,
+                       grad_reduce_dtype=args.grad_reduce_dtype, param_gather_dtype=args.param_gather_dtype,
+                       strategy=args.strategy, contenders=names,
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None, **shape)

@@ -188,6 +188,8 @@ class GroupBuffers:
         model = [self.model_local] if self.model_local is not None else []
         if self.placement.keep_model_weights:
             model.append(self.unsharded.data)
+        if self.lowbit is not None:
+            model.append(self.gather_plan.own)  # the step's codes: this rank's row
         grads, released = self._persistent_grads()
         seen: dict[int, torch.UntypedStorage] = {}
         main_bytes = _distinct_storage_bytes([self.main], seen)
@@ -198,6 +200,7 @@ class GroupBuffers:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor held between steps (some may alias)."""
         held = [self.main] + ([self.model_local] if self.model_local is not None else [])
+        held += [self.gather_plan.own] if self.lowbit is not None else []
         return held + ([self.main_grad] if self.main_grad is not None else []) + self.flat_buffers()
 
     def flat_buffers(self) -> list[torch.Tensor]:
@@ -210,6 +213,8 @@ class GroupBuffers:
     def allocated_bytes(self) -> int:
         """Bytes these buffers hold right now, transient ones included."""
         tensors = [self.unsharded.data, self.main]
+        if self.lowbit is not None:
+            tensors.append(self.gather_plan.own)
         if self.model_local is not None:
             tensors.append(self.model_local)
         if self.main_grad is not None:
