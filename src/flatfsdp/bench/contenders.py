@@ -8,7 +8,7 @@ instead of failing the whole benchmark.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -87,6 +87,12 @@ def setup_deepspeed(model: nn.Module, cfg: BenchConfig) -> Trainer:
     return Trainer(trainer.step, stage=3)
 
 
+def _full_bit(cfg: BenchConfig) -> BenchConfig:
+    """The same run without low-bit weights or gradients (fp32 model: fp32 reduction)."""
+    grads = cfg.grad_reduce_dtype if cfg.bf16 and cfg.grad_reduce_dtype != "int8" else "fp32"
+    return replace(cfg, param_gather_dtype=None, grad_reduce_dtype=grads)
+
+
 def _flatfsdp_unavailable() -> str | None:
     try:
         import flatfsdp  # noqa: F401
@@ -111,6 +117,9 @@ REGISTRY = {c.name: c for c in (
     Contender("flatfsdp", "flatfsdp", setup_flatfsdp, unavailable=_flatfsdp_unavailable,
               bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("flatfsdp-nocheck", "flatfsdp, no NaN flag", lambda m, c: setup_flatfsdp(m, c, "off"),
+              unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
+    Contender("flatfsdp-fullbit", "flatfsdp, no low-bit",
+              lambda m, c: setup_flatfsdp(m, _full_bit(c)),
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("deepspeed", "DeepSpeed ZeRO-3", setup_deepspeed, unavailable=ds.unavailable_reason,
               preload=ds.preload),
