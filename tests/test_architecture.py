@@ -25,12 +25,12 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "flatfsdp"
 # Bottom-up; keep in step with docs/architecture.md.
 PACKAGES = {"layout": 1, "comm": 2, "groups": 3, "runtime": 4, "front": 5}
 LAYERS = {
-    "layout.arithmetic": 0, "layout.strategy": 0,
+    "layout.arithmetic": 0, "layout.strategy": 0, "layout.lowbit": 0,
     "layout.device": 1, "layout.precision": 1, "layout.buffer": 1, "layout.views": 1, "layout.mesh": 1,
     "layout.placement": 1, "layout.offload": 1,
     "comm.comm_account": 0, "comm.torch_collectives": 0, "comm.watchdog": 1,
-    "comm.exchange": 2, "comm.collectives": 2, "comm.fingerprint": 2, "comm.schedule_check": 2,
-    "comm.gather": 3, "comm.coalesce": 3, "comm.reduction_queue": 3, "comm.outer_shard": 3,
+    "comm.exchange": 2, "comm.lowbit_reduce": 2, "comm.collectives": 2, "comm.fingerprint": 2, "comm.schedule_check": 2,
+    "comm.gather": 3, "comm.lowbit_gather": 3, "comm.coalesce": 3, "comm.reduction_queue": 3, "comm.outer_shard": 3,
     "groups.slots": 4, "groups.buffers": 4, "groups.gradients": 4, "groups.param_group": 4,
     "groups.subclass_gather": 4, "groups.subclass_buffers": 4, "groups.subclass_group": 4,
     "runtime.training_state": 0, "runtime.unit_controls": 0, "runtime.structures": 1, "runtime.host_memory": 1,

@@ -8,7 +8,7 @@ instead of failing the whole benchmark.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -79,8 +79,10 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
     optimizer = build_optimizer(model.parameters(), cfg)
     policy = (flatfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=cfg.reduce_dtype)
               if cfg.bf16 else None)
+    lowbit = dict(param_gather_dtype=cfg.param_gather_dtype,
+                  grad_reduce_dtype=None if cfg.grad_reduce_dtype == "fp32" else cfg.grad_reduce_dtype)
     model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=[TransformerBlock],
-                                            zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy)
+                                            zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy, **lowbit)
     if on_nonfinite is not None:
         flatfsdp.set_on_nonfinite(model, on_nonfinite)
     return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer),
@@ -91,6 +93,12 @@ def setup_deepspeed(model: nn.Module, cfg: BenchConfig) -> Trainer:
     trainer = ds.DeepSpeedTrainer(model, build_optimizer(model.parameters(), cfg),
                                   ds.ds_config(cfg.batch, cfg.bf16, cfg.reduce_dtype))
     return Trainer(trainer.step, stage=3)
+
+
+def _full_bit(cfg: BenchConfig) -> BenchConfig:
+    """The same run without low-bit weights or gradients (fp32 model: fp32 reduction)."""
+    grads = cfg.grad_reduce_dtype if cfg.bf16 and cfg.grad_reduce_dtype != "int8" else "fp32"
+    return replace(cfg, param_gather_dtype=None, grad_reduce_dtype=grads)
 
 
 def _flatfsdp_unavailable() -> str | None:
@@ -117,6 +125,9 @@ REGISTRY = {c.name: c for c in (
     Contender("flatfsdp", "flatfsdp", setup_flatfsdp, unavailable=_flatfsdp_unavailable,
               bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("flatfsdp-nocheck", "flatfsdp, no NaN flag", lambda m, c: setup_flatfsdp(m, c, "off"),
+              unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
+    Contender("flatfsdp-fullbit", "flatfsdp, no low-bit",
+              lambda m, c: setup_flatfsdp(m, _full_bit(c)),
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("fsdp2-compiled", "FSDP2, torch.compile", lambda m, c: setup_fsdp2(m, c, compile_model=True)),
     Contender("flatfsdp-compiled", "flatfsdp, torch.compile", lambda m, c: setup_flatfsdp(m, c, compile_model=True),

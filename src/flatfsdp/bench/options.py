@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 CONTENDERS = ("floor", "fsdp2", "flatfsdp", "deepspeed")
-VARIANTS = ("flatfsdp-nocheck", "fsdp2-compiled", "flatfsdp-compiled")
+VARIANTS = ("flatfsdp-nocheck", "flatfsdp-fullbit", "fsdp2-compiled", "flatfsdp-compiled")
 """Run only when named: flatfsdp with a per-step safety check turned off, to
-measure what the check costs in the same run (docs/reliability.md); FSDP2 and
+measure what the check costs in the same run (docs/reliability.md); flatfsdp
+without its low-bit gathers/reductions (docs/lowbit.md); FSDP2 and
 flatfsdp with the whole sharded model under ``torch.compile`` (docs/compile.md)."""
 """Every contender the bench knows, in report order."""
 
@@ -52,6 +53,9 @@ class BenchConfig:
     bf16: bool = False
     """Compute in bf16 with fp32 main weights and optimizer state."""
     grad_reduce_dtype: str = "fp32"
+    """fp32, bf16 (flatfsdp: also with fp32 compute) or int8 (flatfsdp only: block-scaled codes)."""
+    param_gather_dtype: str | None = None
+    """flatfsdp gathers weights as int8 or fp8 codes (the others gather in the compute dtype)."""
     """Dtype gradients are reduced in under --bf16 ("fp32" or "bf16")."""
     strategy: str = "optim_grads_params"
     """flatfsdp's zero_dp_strategy."""
@@ -72,14 +76,17 @@ class BenchConfig:
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return _DTYPES[self.grad_reduce_dtype] if self.bf16 else torch.float32
+        return _DTYPES.get(self.grad_reduce_dtype, torch.float32) if self.bf16 else torch.float32
 
     @property
     def tolerance(self) -> float:
         # Reduction order differs between engines; bf16 rounding amplifies it.
         if self.loss_tol is not None:
             return self.loss_tol
-        return 5e-2 if self.bf16 else 2e-3
+        # Low-bit weights or gradients change flatfsdp's numbers by design (its
+        # loss check is a 400-step run: docs/lowbit.md); as bf16 rounding does.
+        lowbit = self.param_gather_dtype is not None or self.grad_reduce_dtype != "fp32"
+        return 5e-2 if self.bf16 or lowbit else 2e-3
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -104,12 +111,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--nprocs", type=int, default=d.nprocs, help="local ranks (ignored under torchrun)")
     p.add_argument("--threads-per-rank", type=int, default=d.threads_per_rank)
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
-    p.add_argument("--grad-reduce-dtype", choices=sorted(_DTYPES), default=d.grad_reduce_dtype)
+    p.add_argument("--grad-reduce-dtype", choices=sorted(_DTYPES) + ["int8"], default=d.grad_reduce_dtype,
+                   help="gradient reduction; FSDP2 and DeepSpeed follow it with --bf16 only; int8: flatfsdp only")
+    p.add_argument("--param-gather-dtype", choices=["int8", "fp8"], default=None,
+                   help="flatfsdp gathers weights as 8-bit codes (docs/lowbit.md)")
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help="flatfsdp's zero_dp_strategy")
     p.add_argument("--contenders", default=",".join(d.contenders), help=f"comma list from {','.join(CONTENDERS + VARIANTS)}")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--loss-tol", type=float, default=None, help="loss agreement tolerance (default 2e-3 fp32, 5e-2 bf16)")
+    p.add_argument("--loss-tol", type=float, default=None, help="loss agreement tolerance (default 2e-3 fp32, 5e-2 bf16 or low-bit)")
     p.add_argument("--out", default=None, help="directory for results.json and chart.png")
     return p
 
@@ -133,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
                        context=context, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                        nprocs=args.nprocs, threads_per_rank=args.threads_per_rank, bf16=args.bf16,
-                       grad_reduce_dtype=args.grad_reduce_dtype, strategy=args.strategy, contenders=names,
+                       grad_reduce_dtype=args.grad_reduce_dtype, param_gather_dtype=args.param_gather_dtype,
+                       strategy=args.strategy, contenders=names,
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None, **shape)

@@ -67,6 +67,11 @@ def comm_table(summary: dict) -> str:
 def header(cfg: BenchConfig, n_params: int | None, world: int) -> str:
     precision = (f"bf16 compute, fp32 main weights, {cfg.grad_reduce_dtype} gradient reduction" if cfg.bf16
                  else "fp32")
+    lowbit = [f"{cfg.param_gather_dtype} weight gathers"] if cfg.param_gather_dtype else []
+    if not cfg.bf16 and cfg.grad_reduce_dtype != "fp32":
+        lowbit.append(f"{cfg.grad_reduce_dtype} gradient reduction")
+    if lowbit:
+        precision += f" (flatfsdp: {', '.join(lowbit)})"
     shape = cfg.preset or "custom"
     size = f"{n_params / 1e6:.1f}M-parameter GPT" if n_params else "GPT"
     return (f"{size} ({cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, vocab {cfg.vocab}), "

@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bf16", action="store_true", help="compute in bf16 from fp32 main weights")
     parser.add_argument("--grad-reduce-in-bf16", action="store_true",
                         help="reduce gradients in bf16 (the whole-gradient buffers of ZeRO-0/1 halve)")
+    parser.add_argument("--param-gather-dtype", choices=["int8", "fp8"],
+                        help="gather weights as block-scaled 8-bit codes (docs/lowbit.md)")
+    parser.add_argument("--grad-reduce-dtype", choices=["int8"],
+                        help="reduce-scatter gradients as block-scaled int8 codes (docs/lowbit.md)")
     parser.add_argument("--defer-reductions", action="store_true",
                         help="sync_model_each_microbatch=False (what flatfsdp train passes): reductions may land "
                              "after backward, cross-replica ones at the optimizer step")
@@ -93,7 +97,8 @@ def run(args) -> int:
     for strategy in strategies:
         rows += estimate(spec, worlds, strategy=strategy, shard_size=args.hsdp_shard, outer_sharding=args.hfsdp,
                          tp=args.tp, bf16=args.bf16, reduce_bf16=args.grad_reduce_in_bf16,
-                         defer_reductions=args.defer_reductions,
+                         defer_reductions=args.defer_reductions, param_gather_dtype=args.param_gather_dtype,
+                         grad_reduce_dtype=args.grad_reduce_dtype,
                          micro_batch=args.micro_batch, seq_len=args.seq_len)
     deepspeed = _deepspeed(spec, rows) if args.deepspeed else None
     if args.json:
@@ -111,9 +116,11 @@ def run(args) -> int:
 
 
 def _title(args, params: int) -> str:
-    grads = "bf16" if args.grad_reduce_in_bf16 else "fp32"
+    grads = args.grad_reduce_dtype or ("bf16" if args.grad_reduce_in_bf16 else "fp32")
     precision = (f"bf16 compute, fp32 main weights, {grads} gradient reduction" if args.bf16
                  else f"fp32, {grads} gradient reduction")
+    if args.param_gather_dtype:
+        precision += f", {args.param_gather_dtype} weight gathers"
     return (f"{args.model}: {params / 1e9:.3g} B parameters, {precision}, AdamW, micro-batch {args.micro_batch} x "
             f"{args.seq_len} tokens, recompute {args.recompute}")
 

@@ -23,7 +23,8 @@ def estimate_layout(spec: ModelSpec, layout: Layout) -> RankFigures:
 
 def estimate(model: str | ModelSpec, world_sizes: Iterable[int], *, strategy: str = "optim_grads_params",
              shard_size: int | None = None, outer_sharding: bool = False, tp: int = 1, bf16: bool = False,
-             reduce_bf16: bool = False, defer_reductions: bool = False, micro_batch: int = 1, seq_len: int = 1024,
+             reduce_bf16: bool = False, defer_reductions: bool = False, param_gather_dtype: str | None = None,
+             grad_reduce_dtype: str | None = None, micro_batch: int = 1, seq_len: int = 1024,
              units: list[str] | None = None, recompute: str = "none") -> list[tuple[Layout, RankFigures]]:
     """Figures for each world size. ``shard_size``: HSDP, each replica's
     parameters sharded over that many data-parallel ranks; ``outer_sharding``:
@@ -44,7 +45,7 @@ def estimate(model: str | ModelSpec, world_sizes: Iterable[int], *, strategy: st
             replicas = world // tp // shard_size
         layout = Layout(world=world, strategy=strategy, replicas=replicas, tp=tp,
                         outer_sharding=outer_sharding and replicas > 1, bf16=bf16, reduce_bf16=reduce_bf16,
-                        defer_reductions=defer_reductions,
-                        micro_batch=micro_batch, seq_len=seq_len)
+                        defer_reductions=defer_reductions, param_gather_dtype=param_gather_dtype,
+                        grad_reduce_dtype=grad_reduce_dtype, micro_batch=micro_batch, seq_len=seq_len)
         rows.append((layout, estimate_layout(spec, layout)))
     return rows

@@ -42,6 +42,10 @@ class Layout:
     """Compute in bf16 from fp32 main weights."""
     reduce_bf16: bool = False
     """Reduce (and keep unsharded) gradients in bf16 rather than fp32."""
+    param_gather_dtype: str | None = None
+    """Weights gathered as "int8" / "fp8" codes (docs/lowbit.md)."""
+    grad_reduce_dtype: str | None = None
+    """Gradients reduced as "int8" codes (or "bf16", as ``reduce_bf16``)."""
     defer_reductions: bool = False
     """``sync_model_each_microbatch=False``: reductions may still be in flight
     after backward, and cross-replica ones wait for the optimizer step."""
@@ -58,7 +62,10 @@ class Layout:
         if self.replicas > 1:
             kind = "HFSDP" if self.outer_sharding else "HSDP"
             text = f"{kind} {self.replicas}x{self.shard} {text}"
-        return text + (f" TP{self.tp}" if self.tp > 1 else "") + (" deferred" if self.defer_reductions else "")
+        text += f" TP{self.tp}" if self.tp > 1 else ""
+        text += f" W{self.param_gather_dtype}" if self.param_gather_dtype else ""
+        text += f" G{self.grad_reduce_dtype}" if self.grad_reduce_dtype else ""
+        return text + (" deferred" if self.defer_reductions else "")
 
     def check(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -135,7 +142,9 @@ def shard(spec: ModelSpec, layout: Layout, mesh_kwargs: dict) -> tuple[nn.Module
     model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=spec.units,
                                             zero_dp_strategy=layout.strategy, mixed_precision_policy=policy,
                                             init_model_with_meta_device=True, meta_init_seed=0,
-                                            sync_model_each_microbatch=not layout.defer_reductions, **mesh_kwargs)
+                                            sync_model_each_microbatch=not layout.defer_reductions,
+                                            param_gather_dtype=layout.param_gather_dtype,
+                                            grad_reduce_dtype=layout.grad_reduce_dtype, **mesh_kwargs)
     if spec.from_checkpoint or layout.tp > 1:  # tensor-parallel shards are filled, not initialised, on meta
         flatfsdp.mark_initialized(model)
     return model, optimizer

@@ -78,6 +78,8 @@ def shard_kwargs(o: TrainOptions) -> dict:
         # may still be in flight when backward returns and land before the
         # optimizer step, overlapping the loss bookkeeping.
         sync_model_each_microbatch=False,
+        param_gather_dtype=o.param_gather_dtype,
+        grad_reduce_dtype=o.grad_reduce_dtype,
     )
 
 

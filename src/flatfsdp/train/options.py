@@ -45,7 +45,12 @@ class TrainOptions:
     data_parallel_sharding_strategy: str = _flag(
         "optim_grads_params", "what is sharded: no_shard (0, DDP), optim (1, ZeRO-1), optim_grads (2, ZeRO-2), "
         "optim_grads_params (3, ZeRO-3)", type=parse_strategy, metavar="{no_shard,optim,optim_grads,optim_grads_params,0-3}")
-    grad_reduce_in_bf16: bool = _flag(False, "reduce gradients in bf16 (default: fp32)")
+    grad_reduce_in_bf16: bool = _flag(False, "reduce gradients in bf16 (default: fp32); = --grad-reduce-dtype bf16")
+    grad_reduce_dtype: str | None = _flag(None, "gradient reduction: fp32, bf16, or int8 (block-scaled codes "
+                                                "summed in fp32; docs/lowbit.md)", choices=["fp32", "bf16", "int8"])
+    param_gather_dtype: str | None = _flag(None, "gather weights as block-scaled 8-bit codes made once per "
+                                                 "optimizer step: int8 or fp8 (e4m3); docs/lowbit.md",
+                                           choices=["int8", "fp8"])
     init_model_with_meta_device: bool = _flag(False, "build the model on the meta device; each unit is "
                                                      "initialised on first use, each rank keeping its shard")
     calculate_per_token_loss: bool = _flag(False, "sum token losses and gradients over ranks and micro-batches, "

@@ -27,6 +27,7 @@ from flatfsdp.engine.comm.collectives import Pending
 from flatfsdp.engine.layout.device import SideStream
 from flatfsdp.engine.comm.gather import GatherPlan
 from flatfsdp.engine.comm.gather import gather as gather_group
+from flatfsdp.engine.layout.lowbit import LowBitFormat
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 """Collectives on buffers under 4 MiB are coalesced: on gloo here a 4 MiB
@@ -104,6 +105,8 @@ class ReduceRequest:
     outer: dist.ProcessGroup | None = None
     """HSDP: once summed over ``group``, ``output`` is all-reduced over this
     group too (the replicas'), before ``then``."""
+    lowbit: LowBitFormat | None = None
+    """A reduce-scatter whose chunks travel as block-scaled codes (grad_reduce_dtype="int8")."""
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +128,7 @@ def reduce(members: list[ReduceRequest], *, async_op: bool, stream: SideStream |
         if only.kind == "all_reduce":
             pending = collectives.all_reduce(only.flat, only.group, async_op, stream)
         else:
-            pending = collectives.reduce_scatter(only.output, only.flat, only.group, async_op, stream)
+            pending = _reduce_scatter(only.output, only.flat, only.group, async_op, stream, only.lowbit)
         if outer is not None:
             pending.then.append(lambda: collectives.all_reduce(only.output, outer).wait())
     elif members[0].kind == "all_reduce":
@@ -166,7 +169,7 @@ def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool, stream:
     for m, off, size in zip(members, offsets, sizes):
         by_rank[:, off:off + size].copy_(m.flat.view(world, size))
     result = torch.empty(total, dtype=first.dtype, device=first.device)
-    pending = collectives.reduce_scatter(result, packed, group, async_op, stream)
+    pending = _reduce_scatter(result, packed, group, async_op, stream, members[0].lowbit)
 
     def unpack() -> None:
         if outer is not None:
@@ -175,6 +178,13 @@ def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool, stream:
             m.output.copy_(result[off:off + size])
     pending.then.append(unpack)
     return pending
+
+
+def _reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
+                    stream: SideStream | None, lowbit: LowBitFormat | None) -> Pending:
+    if lowbit is not None:
+        return collectives.reduce_scatter_lowbit(output, flat, group, lowbit)
+    return collectives.reduce_scatter(output, flat, group, async_op, stream)
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -19,6 +19,8 @@ from torch.autograd.profiler import record_function
 from flatfsdp.engine.comm.comm_account import comm_account
 from flatfsdp.engine.layout.device import SideStream, wait_event
 from flatfsdp.engine.comm.exchange import exchange_all_gather, exchange_reduce_scatter, post_messages
+from flatfsdp.engine.comm.lowbit_reduce import lowbit_reduce_scatter, wire_bytes
+from flatfsdp.engine.layout.lowbit import LowBitFormat
 from flatfsdp.engine.layout.views import same_start
 from flatfsdp.engine.comm.torch_collectives import all_gather_single, reduce_scatter_single
 from flatfsdp.engine.comm.watchdog import wait_works
@@ -121,6 +123,15 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
     return _run("reduce_scatter", nbytes(flat), group, stream, async_op,
                 lambda a: _handles(group, reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM,
                                                                      group=group, async_op=a)))
+
+
+def reduce_scatter_lowbit(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
+                          fmt: LowBitFormat) -> Pending:
+    """``reduce_scatter`` with each peer's chunk sent as block-scaled codes
+    (lowbit_reduce.py), on any backend; counted at the bytes of its codes."""
+    size = group.size() * wire_bytes(output.numel(), fmt)
+    return _run("reduce_scatter", size, group, None, True,
+                lambda _: _messages(group, *lowbit_reduce_scatter(output, flat, group, fmt)))
 
 
 def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,

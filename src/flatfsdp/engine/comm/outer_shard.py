@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from flatfsdp.engine.comm import collectives
+from flatfsdp.engine.comm.lowbit_gather import LowBitGatherPlan
 from flatfsdp.engine.layout.arithmetic import ALIGN, GroupLayout, ParamLayout
+from flatfsdp.engine.layout.lowbit import quantize
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ class OuterShard:
     """This rank's piece of a group's inner chunks, and the two outer collectives."""
 
     def __init__(self, inner: GroupLayout, outer_group: dist.ProcessGroup, inner_rank: int):
-        self.inner, self.group = inner, outer_group
+        self.inner, self.group, self.inner_rank = inner, outer_group, inner_rank
+        self._lowbit_parts: tuple | None = None
         self.outer, self.rank = outer_group.size(), outer_group.rank()
         pieces, cursor = [], 0
         for p in inner.params:
@@ -111,3 +114,34 @@ class OuterShard:
         tables, chunks = self._pairs(table, chunks_out)
         if tables:
             torch._foreach_copy_(chunks, tables)
+
+    # ---- low-bit weights (param_gather_dtype) -------------------------------------------------
+
+    def all_gather_lowbit(self, piece: torch.Tensor, plan: LowBitGatherPlan) -> None:
+        """Once per optimizer step: this rank's piece of the main weights as
+        codes, scales and plain values, gathered across the outer dimension
+        as bytes straight into the plan's row for the inner gathers. Codes
+        are per row block and pieces are whole rows, so a piece's codes are
+        the same bytes as its rows' codes in the chunk (Note [low-bit blocks])."""
+        row = plan.row
+        if self._lowbit_parts is None:
+            shards = [OuterShard(sub, self.group, self.inner_rank) for sub in (row.codes, row.scales, row.plains)]
+            device = piece.device
+            buffers = [torch.zeros(shard.numel, dtype=dtype, device=device)
+                       for shard, dtype in zip(shards, (torch.uint8, torch.float32, row.compute_dtype))]
+            self._lowbit_parts = (shards, buffers)
+        (codes, scales, plains), (code_piece, scale_piece, plain_piece) = self._lowbit_parts
+        with torch.no_grad():
+            for k, i in enumerate(row.coded):
+                x = self.piece_view(piece, i)
+                if x.shape[0]:
+                    count = x.shape[0]
+                    quantize(x.reshape(count, -1), row.fmt, codes.piece_view(code_piece, k).reshape(count, -1),
+                             scales.piece_view(scale_piece, k))
+            for k, i in enumerate(row.plain):
+                plains.piece_view(plain_piece, k).copy_(self.piece_view(piece, i))
+            for shard, part, out in zip((codes, scales, plains), (code_piece, scale_piece, plain_piece),
+                                        row.parts(plan.own)):
+                if shard.numel:
+                    shard.all_gather(part, out)
+        plan.encodes += 1

@@ -35,7 +35,7 @@ class ReductionQueue:
         if request.nbytes >= self.bucket_bytes:
             self._issue([request])
             return
-        key = (id(request.group), id(request.outer), request.kind, request.flat.dtype)
+        key = (id(request.group), id(request.outer), request.kind, request.flat.dtype, request.lowbit)
         bucket = self._open.get(key)
         if bucket and sum(r.nbytes for r in bucket) + request.nbytes > self.bucket_bytes:
             self._issue(self._open.pop(key))

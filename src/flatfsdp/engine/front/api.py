@@ -43,7 +43,8 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
                 meta_init_seed: int | None = None, shard_block: int | tuple[int, int] | None = None,
                 dp_outer_dim: str | None = None, tp_dim: str | None = None, hybrid_fsdp_group: Any = None,
                 expt_device_mesh: DeviceMesh | None = None, outer_dp_sharding_strategy: int | str = 0,
-                dp_mesh_dims: Any = None, **kwargs: Any):
+                dp_mesh_dims: Any = None, param_gather_dtype: Any = None, grad_reduce_dtype: Any = None,
+                lowbit_block: int | None = None, **kwargs: Any):
     """Shard ``module``.
 
     * ``fully_shard(model, optimizer, fsdp_unit_modules=[Block], ...)`` shards every
@@ -66,6 +67,11 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
     shards expert parameters (``allreduce=False``) over its ``dp_shard_dim``.
     FSDP2's ``dp_mesh_dims`` (``mesh`` is the whole SPMD mesh) is read as
     those arguments: see spmd_mesh.
+
+    Fewer bytes (docs/lowbit.md): ``param_gather_dtype="int8"`` or ``"fp8"``
+    gathers weights as block-scaled 8-bit codes made once per optimizer step;
+    ``grad_reduce_dtype="bf16"`` or ``"int8"`` reduces gradients so;
+    ``lowbit_block`` elements share one scale.
     """
     if dp_mesh_dims is not None:
         if fsdp_unit_modules is not None or optimizer is not None:
@@ -88,7 +94,9 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs,
                        dict(dp_outer_dim=dp_outer_dim, tp_dim=tp_dim, hybrid_fsdp_group=hybrid_fsdp_group,
-                            expt_device_mesh=expt_device_mesh, outer_dp_sharding_strategy=outer_dp_sharding_strategy))
+                            expt_device_mesh=expt_device_mesh, outer_dp_sharding_strategy=outer_dp_sharding_strategy),
+                       dict(param_gather_dtype=param_gather_dtype, grad_reduce_dtype=grad_reduce_dtype,
+                            lowbit_block=lowbit_block))
     options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed,
                    shard_block=_checked_block(shard_block))
     ignored = frozenset(id(p) for p in ignored_params or ())
@@ -121,6 +129,7 @@ def fully_shard_model(module: nn.Module, *, fsdp_unit_modules: Iterable[type | s
                       meta_init_seed: int | None = None, shard_block: int | tuple[int, int] | None = None,
                       dp_outer_dim: str | None = None, tp_dim: str | None = None, hybrid_fsdp_group: Any = None,
                       expt_device_mesh: DeviceMesh | None = None, outer_dp_sharding_strategy: int | str = 0,
+                      param_gather_dtype: Any = None, grad_reduce_dtype: Any = None, lowbit_block: int | None = None,
                       **kwargs: Any) -> nn.Module:
     """Megatron-FSDP's model half: shard units bottom-up, then the root. Bind an
     optimizer afterwards with ``fully_shard_optimizer``."""
@@ -128,7 +137,9 @@ def fully_shard_model(module: nn.Module, *, fsdp_unit_modules: Iterable[type | s
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs,
                        dict(dp_outer_dim=dp_outer_dim, tp_dim=tp_dim, hybrid_fsdp_group=hybrid_fsdp_group,
-                            expt_device_mesh=expt_device_mesh, outer_dp_sharding_strategy=outer_dp_sharding_strategy))
+                            expt_device_mesh=expt_device_mesh, outer_dp_sharding_strategy=outer_dp_sharding_strategy),
+                       dict(param_gather_dtype=param_gather_dtype, grad_reduce_dtype=grad_reduce_dtype,
+                            lowbit_block=lowbit_block))
     options.update(prefetch_bytes=prefetch_bytes, bucket_bytes=bucket_bytes, meta_init_seed=meta_init_seed,
                    shard_block=_checked_block(shard_block))
     _shard_model(module, fsdp_unit_modules or (), reshard_after_forward, options)
@@ -155,7 +166,7 @@ def _checked_block(block):
 
 def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
              grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss, sync_model_each_microbatch,
-             init_model_with_meta_device, extra: dict, nd: dict) -> dict:
+             init_model_with_meta_device, extra: dict, nd: dict, lowbit: dict) -> dict:
     unknown = set(extra) - _ACCEPTED_NO_OPS - _CHECKED
     if unknown:
         raise TypeError(f"fully_shard got unexpected keyword argument(s) {sorted(unknown)}")
@@ -180,7 +191,8 @@ def _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed
         expert_mesh=expert_mesh,
         strategy=strategy,
         policy=resolve_policy(mp_policy if mp_policy is not None else mixed_precision_policy,
-                              grad_reduce_in_fp32=grad_reduce_in_fp32, preserve_fp32_weights=preserve_fp32_weights),
+                              grad_reduce_in_fp32=grad_reduce_in_fp32, preserve_fp32_weights=preserve_fp32_weights,
+                              lowbit=lowbit),
         average_grads=not calculate_per_token_loss,
         sync_each_microbatch=sync_model_each_microbatch,
     )

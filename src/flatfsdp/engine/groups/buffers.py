@@ -26,10 +26,12 @@ from __future__ import annotations
 import torch
 
 from flatfsdp.engine.comm.gather import GatherPlan
+from flatfsdp.engine.comm.lowbit_gather import LowBitGatherPlan
 from flatfsdp.engine.comm.outer_shard import OuterShard
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import GroupLayout
 from flatfsdp.engine.layout.buffer import FlatBuffer
+from flatfsdp.engine.layout.lowbit import LowBitFormat
 from flatfsdp.engine.layout.offload import HostOffload, staged_on_device
 from flatfsdp.engine.layout.placement import GroupPlacement
 
@@ -40,8 +42,14 @@ class GroupBuffers:
 
     def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
                  compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 trainable: bool, offload: HostOffload | None):
+                 trainable: bool, offload: HostOffload | None, lowbit: LowBitFormat | None = None,
+                 grad_lowbit: LowBitFormat | None = None):
+        """``lowbit``: gather the weights as 8-bit codes (comm/lowbit_gather.py);
+        None or a replicated group: in the compute dtype."""
         self.layout, self.placement, self.index = layout, placement, index
+        self.lowbit = lowbit if placement.sharded else None
+        self.grad_lowbit = grad_lowbit if placement.sharded else None
+        """Gradients reduce-scattered as codes (comm/lowbit_reduce.py); None: in ``reduce_dtype``."""
         self.pg = placement.mesh.get_group()
         outer = placement.dp.outer
         self.outer_pg = outer.get_group() if outer is not None and outer.size() > 1 else None
@@ -58,7 +66,9 @@ class GroupBuffers:
         if trainable:
             self._allocate_grads(device, main_dtype)
         self.gather_plan = None
-        if placement.sharded:
+        if self.lowbit is not None:
+            self.gather_plan = LowBitGatherPlan(layout, index, self.unsharded.data, self.lowbit)
+        elif placement.sharded:
             source = self.unsharded.data if placement.keep_model_weights else self.model_local
             self.gather_plan = GatherPlan(layout, index, self.unsharded.data, source,
                                           source_in_unsharded=placement.keep_model_weights)
@@ -78,6 +88,12 @@ class GroupBuffers:
         same = main_dtype == compute_dtype and self.offload is None
         self.unsharded = FlatBuffer(self.layout.unsharded_numel, compute_dtype, device, name="model weights")
         self.model_local: torch.Tensor | None = None
+        if self.lowbit is not None:
+            # Gathered from codes made of the main weights: no compute-dtype
+            # shard, and kept weights hold dequantized values, never the main ones.
+            self.main = self._host_or_device(self.main_numel, main_dtype, device)
+            self.main_in_unsharded = False
+            return
         if self.outer_shard is not None:
             # The main weights are a piece of the chunks: never the same tensor.
             self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
@@ -172,6 +188,8 @@ class GroupBuffers:
         model = [self.model_local] if self.model_local is not None else []
         if self.placement.keep_model_weights:
             model.append(self.unsharded.data)
+        if self.lowbit is not None:
+            model.append(self.gather_plan.own)  # the step's codes: this rank's row
         grads, released = self._persistent_grads()
         seen: dict[int, torch.UntypedStorage] = {}
         main_bytes = _distinct_storage_bytes([self.main], seen)
@@ -182,6 +200,7 @@ class GroupBuffers:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor held between steps (some may alias)."""
         held = [self.main] + ([self.model_local] if self.model_local is not None else [])
+        held += [self.gather_plan.own] if self.lowbit is not None else []
         return held + ([self.main_grad] if self.main_grad is not None else []) + self.flat_buffers()
 
     def flat_buffers(self) -> list[torch.Tensor]:
@@ -194,6 +213,8 @@ class GroupBuffers:
     def allocated_bytes(self) -> int:
         """Bytes these buffers hold right now, transient ones included."""
         tensors = [self.unsharded.data, self.main]
+        if self.lowbit is not None:
+            tensors.append(self.gather_plan.own)
         if self.model_local is not None:
             tensors.append(self.model_local)
         if self.main_grad is not None:

@@ -160,7 +160,7 @@ class GroupGradients:
                       and b.offload is None)
             result = b.main_grad if direct else torch.empty(
                 b.layout.shard_numel, dtype=b.reduce_dtype, device=b.compute_device)
-            request = ReduceRequest("reduce_scatter", accum.data, result, b.pg)
+            request = ReduceRequest("reduce_scatter", accum.data, result, b.pg, lowbit=b.grad_lowbit)
         outer_now = b.outer_pg is not None and all_reduce and not (defer_to_step and len(self.bound_optimizers))
         if outer_now and not self._outer_due and b.outer_shard is None:
             # Only this backward's sums lack the replicas': the request

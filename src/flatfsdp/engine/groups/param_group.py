@@ -55,13 +55,18 @@ class ParamGroup:
         # Frozen parameters keep their own dtype: nothing steps them, and their
         # DTensors (and checkpoints) must hold the values they were given.
         self.main_dtype = policy.main_dtype(original) if self.trainable else original
-        self.reduce_dtype = policy.grad_reduce_dtype(original)
+        self.reduce_dtype = policy.reduction_dtype(original)
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
         self.layout = build_group_layout([s.local_shape for s in slots], placement.world,
                                          [s.shard_dim for s in slots], direct_min_numel=DIRECT_MIN_BYTES // itemsize)
+        lowbit = policy.gather_format if self.compute_dtype.is_floating_point else None
+        if lowbit is not None and offload is not None:
+            raise NotImplementedError(f"param_gather_dtype={lowbit.kind!r} with CPU offload (parameter "
+                                      f"'{slots[0].fqn}'): low-bit gathers read the main weights on the device")
         self.buffers = GroupBuffers(self.layout, placement, index=self.index, device=device,
                                     compute_dtype=self.compute_dtype, main_dtype=self.main_dtype,
-                                    reduce_dtype=self.reduce_dtype, trainable=self.trainable, offload=offload)
+                                    reduce_dtype=self.reduce_dtype, trainable=self.trainable, offload=offload,
+                                    lowbit=lowbit, grad_lowbit=policy.reduce_format if self.trainable else None)
         self.bound_optimizers: weakref.WeakSet = weakref.WeakSet()
         """Optimizers bound by fully_shard_optimizer that step these parameters."""
         self._written = 0
@@ -189,7 +194,11 @@ class ParamGroup:
         self._unsharded = True
         b = self.buffers
         if not self.placement.keep_model_weights:
-            if b.model_local is not b.main and not self._in_sync():
+            if b.lowbit is not None:
+                if not self._in_sync():
+                    self._encode()  # once per optimizer step, however many gathers
+                    self._mark_synced()
+            elif b.model_local is not b.main and not self._in_sync():
                 with torch.no_grad():
                     if b.outer_shard is not None:
                         b.outer_shard.all_gather(b.main, b.model_local)  # once per optimizer step
@@ -200,11 +209,24 @@ class ParamGroup:
             return GatherRequest(b.gather_plan, b.pg)
         if self._in_sync():
             return None
+        if b.lowbit is not None:
+            self._encode()
+            return GatherRequest(b.gather_plan, b.pg, then=[self._mark_synced])
         self._cast_main_into_model_weights()
         if not self.placement.sharded:
             self._mark_synced()
             return None
         return GatherRequest(b.gather_plan, b.pg, then=[self._mark_synced])
+
+    def _encode(self) -> None:
+        """This rank's low-bit row from the main weights (HFSDP: from every
+        replica's piece, gathered across the outer dimension as codes)."""
+        b = self.buffers
+        with torch.no_grad():
+            if b.outer_shard is not None:
+                b.outer_shard.all_gather_lowbit(b.main, b.gather_plan)
+            else:
+                b.gather_plan.encode(b.main_chunk)
 
     def _cast_main_into_model_weights(self) -> None:
         """Kept model weights with a separate main copy: this rank's chunks, cast."""

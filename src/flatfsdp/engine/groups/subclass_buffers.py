@@ -37,6 +37,7 @@ class SubclassBuffers(GroupBuffers):
         self.compute_device, self.offload = device, None
         self.reduce_dtype = reduce_dtype
         self.outer_shard = None
+        self.grad_lowbit = None  # their gradients reduce in reduce_dtype (docs/lowbit.md)
         self.main_in_unsharded = False
         self._locals = locals_
         self.gather_plan = plan

@@ -48,7 +48,7 @@ class SubclassGroup:
         self.compute_device = device
         # The main weights are the subclass's own: gradients match their dtype.
         self.main_dtype = original
-        self.reduce_dtype = policy.grad_reduce_dtype(original)
+        self.reduce_dtype = policy.reduction_dtype(original)
         param_dtype = policy.compute_dtype(original)
         world = placement.world
         self.layout = build_group_layout([s.local_shape for s in slots], world, [s.shard_dim for s in slots])

@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import torch
 
+from flatfsdp.engine.layout.lowbit import LowBitFormat, parse_format
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -25,6 +27,31 @@ class MixedPrecisionPolicy:
     returning the parameter's own dtype keeps it in that dtype (e.g. norms
     in fp32 under bf16), None or ``param_dtype`` keeps the default. Must
     answer the same on every rank. Inputs are still cast to ``param_dtype``."""
+
+    param_gather_dtype: Any = field(default=None, kw_only=True)
+    """Gather weights as block-scaled 8-bit codes: "int8", "fp8" (e4m3) or
+    the torch dtypes; dequantized into ``param_dtype`` where the module
+    reads them. None: gathered in ``param_dtype``. See docs/lowbit.md."""
+    grad_reduce_dtype: Any = field(default=None, kw_only=True)
+    """Reduce gradients as "int8" block-scaled codes (summed in fp32), or in
+    a float dtype ("bf16" = ``reduce_dtype=torch.bfloat16``). None: ``reduce_dtype``."""
+    lowbit_block: int | None = field(default=None, kw_only=True)
+    """Elements per scale of the 8-bit codes (None: layout.lowbit.DEFAULT_BLOCK)."""
+
+    def __post_init__(self) -> None:
+        self.gather_format  # validated at construction, named by its keyword
+        self.reduce_format
+
+    @property
+    def gather_format(self) -> LowBitFormat | None:
+        return parse_format(self.param_gather_dtype, self.lowbit_block)
+
+    @property
+    def reduce_format(self) -> LowBitFormat | None:
+        """The low-bit format gradients travel in (None: ``reduce_dtype``)."""
+        if _float_dtype(self.grad_reduce_dtype) is not None or self.grad_reduce_dtype is None:
+            return None
+        return parse_format(self.grad_reduce_dtype, self.lowbit_block, what="grad_reduce_dtype")
 
     def keeps_original_dtype(self, param: Any, name: str) -> bool:
         """Whether ``param_dtype_override_fn`` keeps ``param`` (named ``name``) in its own dtype."""
@@ -59,16 +86,21 @@ class MixedPrecisionPolicy:
         main = self.main_params_dtype or original
         return original if original.itemsize > main.itemsize else main
 
-    def grad_reduce_dtype(self, original: torch.dtype) -> torch.dtype:
-        return self.reduce_dtype or self.compute_dtype(original)
+    def reduction_dtype(self, original: torch.dtype) -> torch.dtype:
+        """Gradients accumulate (and, unless low-bit, travel) in this dtype;
+        low-bit reductions accumulate in fp32."""
+        if self.reduce_format is not None:
+            return torch.float32 if original.is_floating_point else original
+        return _float_dtype(self.grad_reduce_dtype) or self.reduce_dtype or self.compute_dtype(original)
 
 
 def resolve_policy(policy: Any, *, grad_reduce_in_fp32: bool = False,
-                   preserve_fp32_weights: bool = True) -> MixedPrecisionPolicy:
+                   preserve_fp32_weights: bool = True, lowbit: dict | None = None) -> MixedPrecisionPolicy:
     """Accept ours, torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None.
 
     Megatron-FSDP's flags ``grad_reduce_in_fp32`` and ``preserve_fp32_weights``
-    refine a policy that does not say otherwise.
+    refine a policy that does not say otherwise; so do ``fully_shard``'s
+    ``param_gather_dtype`` / ``grad_reduce_dtype`` / ``lowbit_block`` (``lowbit``).
     """
     if policy is None:
         policy = MixedPrecisionPolicy()
@@ -82,11 +114,28 @@ def resolve_policy(policy: Any, *, grad_reduce_in_fp32: bool = False,
                                       cast_forward_inputs=policy.cast_forward_inputs,
                                       # torch 2.15 added it; older policies have none
                                       param_dtype_override_fn=getattr(policy, "param_dtype_override_fn", None))
+    given = {k: v for k, v in (lowbit or {}).items() if v is not None}
+    for key, value in given.items():
+        if getattr(policy, key) is not None and getattr(policy, key) != value:
+            raise ValueError(f"{key}={value!r} given both to fully_shard and in the mixed precision policy "
+                             f"({getattr(policy, key)!r})")
+    if given:
+        policy = _replace(policy, **given)
     if grad_reduce_in_fp32 and policy.reduce_dtype is None:
         policy = _replace(policy, reduce_dtype=torch.float32)
     if not preserve_fp32_weights:
         policy = _replace(policy, main_params_dtype=None)
     return policy
+
+
+_FLOAT_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                "fp32": torch.float32, "float32": torch.float32}
+
+
+def _float_dtype(value) -> torch.dtype | None:
+    if isinstance(value, torch.dtype) and value.is_floating_point and value.itemsize >= 2:
+        return value
+    return _FLOAT_NAMES.get(value) if isinstance(value, str) else None
 
 
 def _replace(policy: MixedPrecisionPolicy, **changes: Any) -> MixedPrecisionPolicy:

@@ -1,0 +1,159 @@
+"""A group's weights gathered as block-scaled 8-bit codes (``param_gather_dtype``).
+
+Each rank's row on the wire holds three parts, each laid out like a group
+layout of its own (so chunk arithmetic and views are the usual ones):
+
+* **codes**: one byte per element of every *coded* parameter -- a matrix or
+  higher (``ndim >= 2``) chunked on dim 0, cut into row blocks
+  (layout/lowbit.py: a block never crosses a row, so codes do not depend on
+  the world size);
+* **scales**: one fp32 per block, laid out as a ``(rows, blocks per row)``
+  parameter;
+* **plain**: everything else in the compute dtype -- vectors (biases, norm
+  weights: a fraction of a percent of the bytes, and the parameters most
+  sensitive to a coarse grid) and parameters chunked on another dimension.
+
+The row is made from the main weights once per optimizer step (``encode``)
+and sent by every gather after it; on arrival each rank's codes are
+dequantized straight into the unsharded buffer the module's parameters view
+(no staging copy of the decoded weights), this rank's own included, so every
+rank computes with the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from flatfsdp.engine.layout import views
+from flatfsdp.engine.layout.arithmetic import GroupLayout, ParamLayout, build_group_layout
+from flatfsdp.engine.layout.lowbit import LowBitFormat, dequantize, quantize
+
+_BYTE_ALIGN = 16
+
+
+def _round16(n: int) -> int:
+    return -(-n // _BYTE_ALIGN) * _BYTE_ALIGN
+
+
+def is_coded(p: ParamLayout) -> bool:
+    """Whether a parameter travels as codes (else in the compute dtype)."""
+    return p.shard_dim == 0 and len(p.shape) >= 2 and p.numel > 0
+
+
+class LowBitRow:
+    """Where each part of a rank's row lives: the three sub-layouts and their byte offsets."""
+
+    def __init__(self, layout: GroupLayout, fmt: LowBitFormat, compute_dtype: torch.dtype):
+        self.layout, self.fmt, self.compute_dtype = layout, fmt, compute_dtype
+        params, world = layout.params, layout.world
+        self.coded = [i for i, p in enumerate(params) if is_coded(p)]
+        self.plain = [i for i, p in enumerate(params) if not is_coded(p)]
+        self.codes = build_group_layout([params[i].shape for i in self.coded], world, [0] * len(self.coded))
+        self.scales = build_group_layout([(params[i].shape[0], fmt.blocks(params[i].inner)) for i in self.coded],
+                                         world, [0] * len(self.coded))
+        self.plains = build_group_layout([params[i].shape for i in self.plain], world,
+                                         [params[i].shard_dim for i in self.plain])
+        itemsize = torch.empty((), dtype=compute_dtype).element_size()
+        self.scales_at = _round16(self.codes.shard_numel)
+        self.plain_at = _round16(self.scales_at + 4 * self.scales.shard_numel)
+        self.nbytes = _round16(self.plain_at + itemsize * self.plains.shard_numel)
+
+    def parts(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scales, plain) of a byte row (or of every row of a (W, row) table)."""
+        codes = row[..., :self.codes.shard_numel]
+        scales = row[..., self.scales_at:self.scales_at + 4 * self.scales.shard_numel].view(torch.float32)
+        plain = row[..., self.plain_at:self.plain_at + self.plains.shard_numel * _itemsize(self.compute_dtype)]
+        return codes, scales, plain.view(self.compute_dtype)
+
+    def encode_rows(self, row: torch.Tensor, chunk: Callable[[int], torch.Tensor], rank: int,
+                    rows_of: Callable[[ParamLayout], tuple[int, int]] | None = None) -> None:
+        """Quantize ``chunk(i)`` -- rows of group parameter ``i`` in the main
+        weights -- into ``row`` (a byte row of this layout). ``rows_of(p)``:
+        which rows of ``rank``'s chunk of ``p`` they are, (first, count); by
+        default all of them (HFSDP passes its piece)."""
+        codes, scales, plain = self.parts(row)
+        fmt = self.fmt
+        with torch.no_grad():
+            for k, i in enumerate(self.coded):
+                pc, ps, p = self.codes.params[k], self.scales.params[k], self.layout.params[i]
+                first, count = rows_of(p) if rows_of is not None else (0, p.chunk_length(rank))
+                if not count:
+                    continue
+                nb = ps.shape[1]
+                x = chunk(i).reshape(count, p.inner)
+                c = views.local_slot(codes, pc)[first * p.inner:(first + count) * p.inner].view(count, p.inner)
+                s = views.local_slot(scales, ps)[first * nb:(first + count) * nb].view(count, nb)
+                quantize(x, fmt, c, s)
+            for k, i in enumerate(self.plain):
+                pp, p = self.plains.params[k], self.layout.params[i]
+                if rows_of is None:
+                    views.local_chunk(plain, pp, rank).copy_(chunk(i))
+                else:
+                    first, count = rows_of(p)
+                    views.local_slot(plain, pp)[first * p.inner:(first + count) * p.inner].copy_(chunk(i).reshape(-1))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class LowBitGatherPlan:
+    """Gathers one group as low-bit rows. Duck-types the part of
+    ``comm.gather.GatherPlan`` coalescing uses (``row_bytes``, ``pack``,
+    ``unpack``, ``every``, ``device``); always on the packed path."""
+
+    gathers_in_place = False
+    dtype = torch.uint8
+
+    def __init__(self, layout: GroupLayout, rank: int, unsharded: torch.Tensor, fmt: LowBitFormat):
+        self.layout, self.rank, self.unsharded = layout, rank, unsharded
+        self.row = LowBitRow(layout, fmt, unsharded.dtype)
+        self.own = torch.zeros(self.row.nbytes, dtype=torch.uint8, device=unsharded.device)
+        """This rank's row: the quantized copy of its chunks, made once per optimizer step."""
+        self.every = list(range(len(layout.params)))
+        self.encodes = 0
+        """How many times the row was made (tests assert once per optimizer step)."""
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the gather moves into every rank (what the account counts)."""
+        return self.layout.world * self.row.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.unsharded.device
+
+    def encode(self, main_chunk: Callable[[int], torch.Tensor]) -> None:
+        """This rank's row from its main weights (``main_chunk(i)``: parameter i's chunk)."""
+        self.row.encode_rows(self.own, main_chunk, self.rank)
+        self.encodes += 1
+
+    def pack(self, row: torch.Tensor, indices: list[int]) -> None:
+        row.copy_(self.own)
+
+    def unpack(self, table: torch.Tensor, indices: list[int]) -> None:
+        """Every rank's codes dequantized, and plain chunks copied, into the
+        unsharded buffer: rank r's rows of a coded parameter land in its slot."""
+        row, fmt, params = self.row, self.row.fmt, self.layout.params
+        codes, scales, plain = row.parts(table)
+        with torch.no_grad():
+            for k, i in enumerate(row.coded):
+                pc, ps, p = row.codes.params[k], row.scales.params[k], params[i]
+                nb = ps.shape[1]
+                code_slots, scale_slots = views.wire_slots(codes, pc), views.wire_slots(scales, ps)
+                for r in range(self.layout.world):
+                    count = p.chunk_length(r)
+                    if count:
+                        out = views.unsharded_slot(self.unsharded, p, r)[:count * p.inner].view(count, p.inner)
+                        dequantize(code_slots[r, :count * p.inner].view(count, p.inner),
+                                   scale_slots[r, :count * nb].view(count, nb), fmt, out)
+            if row.plain:
+                pairs = [views.scatter_pairs(self.unsharded, views.wire_slots(plain, row.plains.params[k]), params[i])
+                         for k, i in enumerate(row.plain)]
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])

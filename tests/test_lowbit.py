@@ -1,0 +1,81 @@
+"""The block-scaled 8-bit codes low-bit gathers and reductions travel as
+(engine/layout/lowbit.py): deterministic, within their error bound, and
+independent of how a weight's rows are split between ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flatfsdp.engine.layout.lowbit import (LowBitFormat, dequantize, error_bound, parse_format, quantize,
+                                           quantize_dequantize)
+
+
+def _round_trip(x: torch.Tensor, fmt: LowBitFormat, dtype=torch.float32):
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    scales = torch.empty(x.shape[0], fmt.blocks(x.shape[1]))
+    quantize(x, fmt, codes, scales)
+    out = torch.empty(x.shape, dtype=dtype)
+    dequantize(codes, scales, fmt, out)
+    return codes, scales, out
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("n", [7, 64, 100])  # shorter than a block, whole blocks, a short tail block
+def test_round_trip_is_within_the_bound_of_each_block(kind, n):
+    torch.manual_seed(0)
+    fmt = LowBitFormat(kind, block=32)
+    x = torch.randn(5, n) * torch.logspace(-3, 2, 5).unsqueeze(1)  # rows of very different magnitudes
+    codes, scales, out = _round_trip(x, fmt)
+    assert scales.shape == (5, -(-n // 32))
+    for b in range(scales.shape[1]):
+        cols = slice(b * 32, min(n, (b + 1) * 32))
+        amax = x[:, cols].abs().amax(dim=1, keepdim=True)
+        assert torch.allclose(scales[:, b:b + 1], amax / fmt.qmax)
+        assert ((out[:, cols] - x[:, cols]).abs() <= error_bound(amax, fmt) * (1 + 1e-6)).all()
+    # the largest element of each block is coded at full scale
+    assert (codes.view(torch.int8 if kind == "int8" else torch.float8_e4m3fn).float().abs().amax(dim=1)
+            == fmt.qmax).all()
+
+
+def test_int8_codes_are_rounded_steps_and_deterministic():
+    fmt = LowBitFormat("int8", block=4)
+    x = torch.tensor([[1.27, -0.635, 0.0, 0.3], [0.0, 0.0, 0.0, 0.0]])
+    codes, scales, out = _round_trip(x, fmt)
+    assert codes.view(torch.int8).tolist() == [[127, -64, 0, 30], [0, 0, 0, 0]]  # -63.5 rounds half to even
+    assert scales[1].item() == 1.0 and out[1].abs().sum() == 0  # an all-zero block stays zero
+    again = _round_trip(x, fmt)
+    assert torch.equal(codes, again[0]) and torch.equal(out, again[2])
+
+
+def test_fp8_decoding_matches_torch_for_every_finite_code():
+    fmt = LowBitFormat("fp8", block=256)
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = ~torch.isnan(codes.view(torch.float8_e4m3fn).float())
+    out = torch.empty(1, 256)
+    dequantize(codes.view(1, 256), torch.ones(1, 1), fmt, out)
+    assert torch.equal(out[0][finite], codes.view(torch.float8_e4m3fn).float()[finite])
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_weight_round_trips_the_same_however_its_rows_are_split(kind):
+    torch.manual_seed(1)
+    fmt = LowBitFormat(kind, block=16)
+    w = torch.randn(10, 40)
+    whole = quantize_dequantize(w, fmt)
+    for world in (2, 3, 4):
+        parts = [quantize_dequantize(chunk, fmt) for chunk in torch.chunk(w, world)]
+        assert torch.equal(torch.cat(parts), whole)
+    assert torch.equal(quantize_dequantize(torch.ones(7), fmt), torch.ones(7))  # vectors travel as they are
+    bf16 = quantize_dequantize(w, fmt, torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, whole.to(torch.bfloat16))
+
+
+def test_formats_are_parsed_or_refused_by_name():
+    assert parse_format("int8") == LowBitFormat("int8")
+    assert parse_format(torch.float8_e4m3fn, 64) == LowBitFormat("fp8", 64)
+    assert parse_format(None) is None
+    with pytest.raises(ValueError, match="param_gather_dtype='int4'"):
+        parse_format("int4")
+    with pytest.raises(ValueError, match="block size"):
+        LowBitFormat("int8", block=0)
