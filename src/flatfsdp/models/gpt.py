@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from flatfsdp.models.chunked_loss import chunked_cross_entropy
+from flatfsdp.models.tied_embedding import WeightGradHandoff, embedding_with_handoff
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,13 @@ class GPTEmbedding(nn.Embedding):
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=INIT_STD)
+
+    def forward(self, idx: torch.Tensor, grad_handoff: WeightGradHandoff | None = None) -> torch.Tensor:
+        """``grad_handoff``: the weight is also the chunked loss's output
+        projection; its gradient is added into the loss's (tied_embedding.py)."""
+        if grad_handoff is None:
+            return super().forward(idx)
+        return embedding_with_handoff(idx, self.weight, grad_handoff)
 
 
 def _residual_std(config: "GPTConfig") -> float:
@@ -130,7 +138,10 @@ class GPT(nn.Module):
         computed a chunk of tokens at a time so the logits never exist whole
         (models/chunked_loss.py)."""
         positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(positions)
+        # Tied weights: one vocab x width gradient buffer, shared by the loss and the lookup.
+        tied = targets is not None and self.lm_head.weight is self.tok_emb.weight and torch.is_grad_enabled()
+        handoff = WeightGradHandoff() if tied else None
+        x = self.tok_emb(idx, handoff) + self.pos_emb(positions)
         for block in self.blocks:
             if self.config.recompute == "none":
                 x = block(x)
@@ -138,7 +149,8 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=self.config.recompute == "reentrant")
         if targets is None:
             return self.lm_head(self.ln_f(x))
-        return chunked_cross_entropy(self.ln_f(x), self.lm_head.weight, targets, reduction=reduction)
+        return chunked_cross_entropy(self.ln_f(x), self.lm_head.weight, targets, reduction=reduction,
+                                     weight_grad_handoff=handoff)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
