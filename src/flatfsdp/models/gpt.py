@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from flatfsdp.models import recompute_saved
 from flatfsdp.models.chunked_loss import chunked_cross_entropy
 from flatfsdp.models.tied_embedding import WeightGradHandoff, embedding_with_handoff
 
@@ -99,9 +100,18 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = GPTLinear(config.d_model, 4 * config.d_model)
         self.proj = GPTLinear(4 * config.d_model, config.d_model, std=_residual_std(config))
+        self.remake_activation = config.recompute == "none"
+        """Under activation checkpointing the block's saved tensors are its business."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        pre = self.fc(x)
+        act = F.gelu(pre, approximate="tanh")
+        if not (self.remake_activation and recompute_saved.applies(act)):
+            return self.proj(act)
+        # gelu keeps `pre` for its backward; `proj` would keep `act` too (4 x
+        # width per token). It keeps the recipe instead: one more gelu in backward.
+        with recompute_saved.remade_when_needed(act, lambda: F.gelu(pre, approximate="tanh")):
+            return self.proj(act)
 
 
 class TransformerBlock(nn.Module):
@@ -111,10 +121,21 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config)
+        self.remake_activation = config.recompute == "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self._normed_into(self.ln1, x, self.attn)
+        return x + self._normed_into(self.ln2, x, self.mlp)
+
+    def _normed_into(self, norm: nn.LayerNorm, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """``layer(norm(x))``; the norm keeps ``x`` for its backward, so the
+        layer's first Linear keeps the recipe of ``norm(x)``, not a copy."""
+        normed = norm(x)
+        if not (self.remake_activation and recompute_saved.applies(normed)):
+            return layer(normed)
+        remake = lambda: F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)  # noqa: E731
+        with recompute_saved.remade_when_needed(normed, remake):
+            return layer(normed)
 
 
 class GPT(nn.Module):
