@@ -9,10 +9,11 @@ recomputation runs the same kernel on the same input, so the values are
 bitwise those of forward.
 
 Only plain tensors take part; anything else autograd saves inside the block
-(weights, tensor subclasses) is kept as usual. Under an outer
-``saved_tensors_hooks`` (activation checkpointing, offloading) and while
-compiling, callers should not use it: the inner hook would take those
-tensors from the outer one (`applies`).
+(weights, tensor subclasses) is kept as usual, and nothing happens while
+compiling (`applies`). Hooks nest innermost-first, so inside an outer
+``saved_tensors_hooks`` the tensors saved within the block are this one's:
+callers under activation checkpointing leave it off (the checkpoint decides
+what is kept); under offloading they stay recipes instead of moving.
 """
 
 from __future__ import annotations
