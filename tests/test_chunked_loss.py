@@ -88,3 +88,50 @@ def test_hf_llama_chunked_loss_equals_its_own_loss():
     assert abs(chunked.item() - plain.item()) < 1e-6 * plain.item()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def _new_storages_of(numel: int, element_size: int, fn) -> int:
+    """How many new storages of exactly ``numel`` elements the ops run by ``fn`` create."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    seen: set[int] = set()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in before and t.untyped_storage().nbytes() == numel * element_size:
+                        seen.add(ptr)
+            return out
+
+    with Count():
+        fn()
+    return len(seen)
+
+
+def test_tied_weight_gradient_is_one_buffer_made_in_forward():
+    """Backward makes no vocab x width tensor at all: the loss's weight gradient
+    is scaled in place and the tied lookup adds its rows into it (autograd
+    alone would make three: the scaled copy, the lookup's and their sum)."""
+    config = GPTConfig(vocab_size=512, seq_len=32, n_layer=1, n_head=2, d_model=16)
+    torch.manual_seed(3)
+    model = GPT(config)
+    x, y = torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32))
+    loss = model(x, targets=y)
+    assert _new_storages_of(512 * 16, 4, loss.backward) == 0
+    assert model.tok_emb.weight.grad is not None
+    untied = GPT(GPTConfig(vocab_size=512, seq_len=32, n_layer=1, n_head=2, d_model=16, tie_embeddings=False))
+    assert _new_storages_of(512 * 16, 4, untied(x, targets=y).backward) == 1  # the lookup's own, as F.embedding
+
+
+def test_a_second_backward_through_the_loss_is_refused():
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=8))
+    loss = model(torch.randint(0, 64, (1, 8)), targets=torch.randint(0, 64, (1, 8)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same loss"):
+        loss.backward()

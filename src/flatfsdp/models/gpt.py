@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from flatfsdp.models import recompute_saved
 from flatfsdp.models.chunked_loss import chunked_cross_entropy
+from flatfsdp.models.tied_embedding import WeightGradHandoff, embedding_with_handoff
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,13 @@ class GPTEmbedding(nn.Embedding):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=INIT_STD)
 
+    def forward(self, idx: torch.Tensor, grad_handoff: WeightGradHandoff | None = None) -> torch.Tensor:
+        """``grad_handoff``: the weight is also the chunked loss's output
+        projection; its gradient is added into the loss's (tied_embedding.py)."""
+        if grad_handoff is None:
+            return super().forward(idx)
+        return embedding_with_handoff(idx, self.weight, grad_handoff)
+
 
 def _residual_std(config: "GPTConfig") -> float:
     """Projections into the residual stream shrink with depth (GPT-2)."""
@@ -91,9 +100,18 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = GPTLinear(config.d_model, 4 * config.d_model)
         self.proj = GPTLinear(4 * config.d_model, config.d_model, std=_residual_std(config))
+        self.remake_activation = config.recompute == "none"
+        """Under activation checkpointing the block's saved tensors are its business."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        pre = self.fc(x)
+        act = F.gelu(pre, approximate="tanh")
+        if not (self.remake_activation and recompute_saved.applies(act)):
+            return self.proj(act)
+        # gelu keeps `pre` for its backward; `proj` would keep `act` too (4 x
+        # width per token). It keeps the recipe instead: one more gelu in backward.
+        with recompute_saved.remade_when_needed(act, lambda: F.gelu(pre, approximate="tanh")):
+            return self.proj(act)
 
 
 class TransformerBlock(nn.Module):
@@ -103,10 +121,21 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config)
+        self.remake_activation = config.recompute == "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self._normed_into(self.ln1, x, self.attn)
+        return x + self._normed_into(self.ln2, x, self.mlp)
+
+    def _normed_into(self, norm: nn.LayerNorm, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """``layer(norm(x))``; the norm keeps ``x`` for its backward, so the
+        layer's first Linear keeps the recipe of ``norm(x)``, not a copy."""
+        normed = norm(x)
+        if not (self.remake_activation and recompute_saved.applies(normed)):
+            return layer(normed)
+        remake = lambda: F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)  # noqa: E731
+        with recompute_saved.remade_when_needed(normed, remake):
+            return layer(normed)
 
 
 class GPT(nn.Module):
@@ -130,7 +159,10 @@ class GPT(nn.Module):
         computed a chunk of tokens at a time so the logits never exist whole
         (models/chunked_loss.py)."""
         positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(positions)
+        # Tied weights: one vocab x width gradient buffer, shared by the loss and the lookup.
+        tied = targets is not None and self.lm_head.weight is self.tok_emb.weight and torch.is_grad_enabled()
+        handoff = WeightGradHandoff() if tied else None
+        x = self.tok_emb(idx, handoff) + self.pos_emb(positions)
         for block in self.blocks:
             if self.config.recompute == "none":
                 x = block(x)
@@ -138,7 +170,8 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=self.config.recompute == "reentrant")
         if targets is None:
             return self.lm_head(self.ln_f(x))
-        return chunked_cross_entropy(self.ln_f(x), self.lm_head.weight, targets, reduction=reduction)
+        return chunked_cross_entropy(self.ln_f(x), self.lm_head.weight, targets, reduction=reduction,
+                                     weight_grad_handoff=handoff)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
