@@ -22,6 +22,7 @@ import contextlib
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 
 
@@ -32,18 +33,29 @@ class _Recipe:
         self.size, self.stride, self.offset = size, stride, offset
 
 
+def _plain(t: torch.Tensor) -> bool:
+    # Fake tensors count as plain: the memory estimator runs the model on them
+    # (flatfsdp.estimator) and must see the same savings as a real run.
+    return type(t) is torch.Tensor or isinstance(t, FakeTensor)
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """The storage's identity, for real and fake tensors alike (a fake
+    tensor's data pointer is not an address)."""
+    return t.untyped_storage()._cdata
+
+
 def applies(out: torch.Tensor) -> bool:
     """Whether ``remade_when_needed`` should be used for ``out`` here."""
-    return (type(out) is torch.Tensor and out.requires_grad and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
+    return _plain(out) and out.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 @contextlib.contextmanager
 def remade_when_needed(out: torch.Tensor, remake: Callable[[], torch.Tensor]):
-    storage_ptr, base_offset = out.untyped_storage().data_ptr(), out.storage_offset()
+    storage, base_offset = _storage_id(out), out.storage_offset()
 
     def pack(t: torch.Tensor):
-        if type(t) is torch.Tensor and t.untyped_storage().data_ptr() == storage_ptr:
+        if _plain(t) and _storage_id(t) == storage:
             return _Recipe(t.size(), t.stride(), t.storage_offset() - base_offset)
         return t
 
