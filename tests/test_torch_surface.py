@@ -47,3 +47,19 @@ def test_the_handle_types_torch_names_are_flatfsdps():
             assert hasattr(flatfsdp, name), f"torch {torch.__version__} has {name}; flatfsdp exports none"
     if hasattr(torch_fsdp, "GradientReductionHandle"):
         assert issubclass(flatfsdp.GradientReductionHandle, torch_fsdp.GradientReductionHandle)
+
+
+def test_collectives_renamed_in_2_13_are_called_only_through_torch_collectives():
+    """torch 2.13 added all_gather_single / reduce_scatter_single; 2.11 and 2.12
+    have only the older names. engine/comm/torch_collectives.py picks whichever
+    exists, so a direct ``dist.<new name>`` anywhere else breaks the older
+    torches (the schedule check did, on 2.11)."""
+    import pathlib
+    import re
+
+    src = pathlib.Path(__file__).resolve().parents[1] / "src" / "flatfsdp"
+    direct = re.compile(r"\bdist(?:ributed)?\.(all_gather_single|reduce_scatter_single)\b")
+    offenders = [f"{path.relative_to(src)}:{number}" for path in sorted(src.rglob("*.py"))
+                 if path.name != "torch_collectives.py"
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if direct.search(line)]
+    assert offenders == []

@@ -20,6 +20,8 @@ import struct
 import torch
 import torch.distributed as dist
 
+from flatfsdp.engine.comm.torch_collectives import all_gather_single
+
 SCHEDULE_ENV = "FLATFSDP_CHECK_SCHEDULE"
 
 
@@ -49,7 +51,7 @@ class ScheduleCheck:
         digest = hashlib.sha256("\n".join(events).encode()).digest()
         mine = torch.tensor([struct.unpack("<q", digest[:8])[0]], dtype=torch.int64, device=device)
         hashes = torch.empty(group.size(), dtype=torch.int64, device=device)
-        dist.all_gather_single(hashes, mine, group=group)
+        all_gather_single(hashes, mine, group=group)
         if bool((hashes == hashes[0]).all()):
             return
         everyone: list = [None] * group.size()
