@@ -77,19 +77,9 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
         if fsdp_unit_modules is not None or optimizer is not None:
             raise TypeError("dp_mesh_dims belongs to the per-module form fully_shard(module, mesh=..., "
                             "dp_mesh_dims=...); the one-call form takes dp_shard_dim= / dp_outer_dim=")
-        if dp_shard_dim is not None or dp_outer_dim is not None:
-            raise ValueError("pass the data-parallel dimensions either as dp_mesh_dims= or as "
-                             "dp_shard_dim=/dp_outer_dim=, not both")
-        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-            raise NotImplementedError("reshard_after_forward as an int is not supported with dp_mesh_dims "
-                                      "(as in FSDP2)")
-        spmd = mesh if mesh is not None else device_mesh
-        shard_name, replicate_name = spmd_dp_dims(spmd, dp_mesh_dims)
-        check_spmd_params(module, spmd)
-        mesh, device_mesh = None, spmd
-        dp_shard_dim, dp_outer_dim = (shard_name, replicate_name) if shard_name else (replicate_name, None)
-        if shard_name is None:  # replicate only: FSDP2's DDP
-            zero_dp_strategy = ShardingStrategy.NO_SHARD
+        mesh, device_mesh, dp_shard_dim, dp_outer_dim, zero_dp_strategy = _read_dp_mesh_dims(
+            module, mesh if mesh is not None else device_mesh, dp_mesh_dims, dp_shard_dim, dp_outer_dim,
+            reshard_after_forward, zero_dp_strategy)
     options = _options(mesh, device_mesh, dp_shard_dim, zero_dp_strategy, mp_policy, mixed_precision_policy,
                        grad_reduce_in_fp32, preserve_fp32_weights, calculate_per_token_loss,
                        sync_model_each_microbatch, init_model_with_meta_device, kwargs,
@@ -117,6 +107,23 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
     if optimizer is None:
         return module
     return module, fully_shard_optimizer(optimizer, module)
+
+
+def _read_dp_mesh_dims(module, spmd: DeviceMesh, dp_mesh_dims: Any, dp_shard_dim: str | None,
+                       dp_outer_dim: str | None, reshard_after_forward, zero_dp_strategy):
+    """FSDP2's ``dp_mesh_dims`` over the whole SPMD mesh, as this engine's
+    (mesh, device_mesh, dp_shard_dim, dp_outer_dim, zero_dp_strategy)."""
+    if dp_shard_dim is not None or dp_outer_dim is not None:
+        raise ValueError("pass the data-parallel dimensions either as dp_mesh_dims= or as "
+                         "dp_shard_dim=/dp_outer_dim=, not both")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError("reshard_after_forward as an int is not supported with dp_mesh_dims "
+                                  "(as in FSDP2)")
+    shard_name, replicate_name = spmd_dp_dims(spmd, dp_mesh_dims)
+    check_spmd_params(module, spmd)
+    if shard_name is None:  # replicate only: FSDP2's DDP
+        return None, spmd, replicate_name, None, ShardingStrategy.NO_SHARD
+    return None, spmd, shard_name, replicate_name, zero_dp_strategy
 
 
 def fully_shard_model(module: nn.Module, *, fsdp_unit_modules: Iterable[type | str] | None = None,
