@@ -21,15 +21,17 @@ def _round_trip(x: torch.Tensor, fmt: LowBitFormat, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("n", [7, 64, 100])  # shorter than a block, whole blocks, a short tail block
+@pytest.mark.parametrize("n", [7, 64, 100, 101])  # shorter than a block, whole blocks, cut evenly, a short tail
 def test_round_trip_is_within_the_bound_of_each_block(kind, n):
     torch.manual_seed(0)
     fmt = LowBitFormat(kind, block=32)
     x = torch.randn(5, n) * torch.logspace(-3, 2, 5).unsqueeze(1)  # rows of very different magnitudes
     codes, scales, out = _round_trip(x, fmt)
     assert scales.shape == (5, -(-n // 32))
+    width = fmt.width(n)  # 100 = 4 blocks of 25: equal blocks of at most 32
+    assert width == {7: 7, 64: 32, 100: 25, 101: 26}[n]  # 101: 3 x 26 + 23
     for b in range(scales.shape[1]):
-        cols = slice(b * 32, min(n, (b + 1) * 32))
+        cols = slice(b * width, min(n, (b + 1) * width))
         amax = x[:, cols].abs().amax(dim=1, keepdim=True)
         assert torch.allclose(scales[:, b:b + 1], amax / fmt.qmax)
         assert ((out[:, cols] - x[:, cols]).abs() <= error_bound(amax, fmt) * (1 + 1e-6)).all()

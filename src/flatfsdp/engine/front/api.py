@@ -71,7 +71,7 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
     Fewer bytes (docs/lowbit.md): ``param_gather_dtype="int8"`` or ``"fp8"``
     gathers weights as block-scaled 8-bit codes made once per optimizer step;
     ``grad_reduce_dtype="bf16"`` or ``"int8"`` reduces gradients so;
-    ``lowbit_block`` elements share one scale.
+    at most ``lowbit_block`` elements share one scale.
     """
     if dp_mesh_dims is not None:
         if fsdp_unit_modules is not None or optimizer is not None:

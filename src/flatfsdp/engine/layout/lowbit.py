@@ -2,8 +2,12 @@
 reductions put on the wire (Note [low-bit blocks]).
 
 A tensor is read as rows (its trailing elements: a weight matrix's rows, a
-gradient buffer's per-rank chunk) cut into blocks of ``block`` consecutive
-elements; the last block of a row may be shorter. Each block gets one fp32
+gradient buffer's per-rank chunk) cut into ``ceil(n / block)`` blocks of
+equal width ``ceil(n / blocks)`` (at most ``block``; only the last block of a
+row may be shorter, and only when no equal width divides the row). A row of
+384 with ``block=256`` is two blocks of 192, not 256 + 128: a weight's codes
+are then one contiguous (rows * blocks, width) array, processed in single
+passes instead of a strided pass per part. Each block gets one fp32
 scale, ``amax / qmax``, and each element one byte:
 
 * ``int8``: ``round(x / scale)`` clamped to [-127, 127] (round half to even);
@@ -59,6 +63,10 @@ class LowBitFormat:
         """Scales per row of ``n`` elements."""
         return -(-n // self.block)
 
+    def width(self, n: int) -> int:
+        """Elements per block in a row of ``n`` (the last block may be shorter)."""
+        return -(-n // self.blocks(n)) if n else self.block
+
     def row_bytes(self, n: int) -> int:
         """Bytes of one row of ``n`` elements on the wire: codes and scales."""
         return n + 4 * self.blocks(n)
@@ -84,10 +92,11 @@ allocator's pool (fresh multi-MB temporaries cost more in page faults than
 the arithmetic)."""
 
 
-def _split(x: torch.Tensor, block: int) -> list[tuple[torch.Tensor, slice]]:
-    """(rows of whole blocks as (rows, nb, block), scale columns) and the
+def _split(x: torch.Tensor, fmt: LowBitFormat) -> list[tuple[torch.Tensor, slice]]:
+    """(rows of whole blocks as (rows, nb, width), scale columns) and the
     short tail block as (rows, 1, tail): views of ``x`` (rows, n)."""
     n = x.shape[-1]
+    block = fmt.width(n)
     full = n // block
     parts = []
     if full:
@@ -106,7 +115,7 @@ def quantize(x: torch.Tensor, fmt: LowBitFormat, codes: torch.Tensor, scales: to
     """Codes (uint8, ``x``'s shape) and scales (fp32, (rows, blocks(n))) of
     ``x`` (rows, n), written into the given tensors (views of a wire row)."""
     for rows in _row_ranges(x.shape[0], x.shape[-1]):
-        parts = zip(_split(x[rows], fmt.block), _split(codes[rows], fmt.block))
+        parts = zip(_split(x[rows], fmt), _split(codes[rows], fmt))
         for (values, cols), (out, _) in parts:
             amax = torch.maximum(values.amax(dim=-1, keepdim=True), values.amin(dim=-1, keepdim=True).neg_())
             scale = amax.float().div_(fmt.qmax)
@@ -124,7 +133,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, out
     dtype. The codes are decoded into ``out`` exactly (8-bit values fit any
     float dtype) and scaled in place: vectorised passes, no large temporary."""
     for rows in _row_ranges(codes.shape[0], codes.shape[-1]):
-        parts = zip(_split(codes[rows], fmt.block), _split(out[rows], fmt.block))
+        parts = zip(_split(codes[rows], fmt), _split(out[rows], fmt))
         for (c, cols), (o, _) in parts:
             scale = scales[rows, cols].unsqueeze(-1)
             if fmt.kind == "int8":
