@@ -86,6 +86,7 @@ def run_config(rank, world, kind, front, strategy, grad=None):
         x = local_slice(x, rank, world)
         loss = lm_loss(model(x[:, :-1]), x[:, 1:])
         loss.backward()
+        kept_after_step = [p.kept is not None for p in plans(model)]
         opt.step()
         opt.zero_grad()
         losses.append(global_mean(loss))
@@ -94,7 +95,8 @@ def run_config(rank, world, kind, front, strategy, grad=None):
         by_dim = flatfsdp.comm_account().by_dim()  # with the next weights' codes, made for the check
     encodes = [p.encodes for p in plans(model)]
     rows = [p.nbytes for p in plans(model)]
-    return dict(losses=losses, distance=distance, encodes=encodes, rows=rows, account=account, account_by_dim=by_dim)
+    return dict(losses=losses, distance=distance, encodes=encodes, rows=rows, account=account, account_by_dim=by_dim,
+                kept_after_step=kept_after_step)
 
 
 def zero3_worker(rank, world):
@@ -123,10 +125,13 @@ def test_quantized_once_per_step_and_the_account_shows_the_bytes(zero3, kind):
     # made once per optimizer step: one per step, and one more for the weights
     # after the last step, which the check reads.
     assert out["encodes"] == [STEPS + 1] * 3
-    # The account counts each gather at its row bytes: blocks twice, the last
-    # block and the root once (kept gathered from forward to backward).
+    # The account counts each gather at its row bytes, once a step for every
+    # unit: the blocks' backward gathers decode the codes kept from forward
+    # (Note [kept codes]) and move nothing; the last block and the root stay
+    # gathered from forward to backward anyway.
     root, block_0, block_1 = out["rows"]
-    assert out["account"]["all_gather"]["bytes"] == 2 * block_0 + block_1 + root
+    assert out["account"]["all_gather"]["bytes"] == block_0 + block_1 + root
+    assert out["kept_after_step"] == [False] * 3  # no codes held past the backward that used them
     # Row bytes from the shapes (2 ranks, block 16, no padding in this model):
     # a matrix's rows as 1-byte codes plus one fp32 scale per 16; vectors in fp32.
     model = make_model()

@@ -41,6 +41,8 @@ class GatherRequest:
     plan: GatherPlan
     group: dist.ProcessGroup
     then: list[Callable[[], None]] = field(default_factory=list)
+    local: bool = False
+    """Every rank's row is already here (a low-bit plan's kept codes): decode, move nothing."""
 
     @property
     def nbytes(self) -> int:
@@ -51,11 +53,30 @@ def gather(requests: list[GatherRequest], *, async_op: bool, bucket_bytes: int,
            stream: SideStream | None = None) -> list[Pending]:
     """Issue every request; return one Pending per request (bucket members share one)."""
     out: list[Pending | None] = [None] * len(requests)
-    for bucket in _buckets(requests, bucket_bytes, key=lambda r: id(r.group)):
+    for i, request in enumerate(requests):
+        if request.local:
+            out[i] = _decode_kept(request)
+    remote = [i for i, r in enumerate(requests) if not r.local]
+    for bucket in _buckets([requests[i] for i in remote], bucket_bytes, key=lambda r: id(r.group)):
+        bucket = [remote[i] for i in bucket]
         pending = _gather_bucket([requests[i] for i in bucket], async_op, stream)
         for i in bucket:
             out[i] = pending
     return out  # type: ignore[return-value]
+
+
+def _decode_kept(request: GatherRequest) -> Pending:
+    """The rows a low-bit plan kept from this step's forward gather, decoded
+    when the unit waits for them (Note [kept codes])."""
+    plan = request.plan
+
+    def decode() -> None:
+        table = plan.kept
+        plan.unpack(table, plan.every)
+        plan.kept = None  # backward's decode is the last use this step
+        for callback in request.then:
+            callback()
+    return Pending(then=[decode], group=request.group, label="(kept codes)")
 
 
 def _gather_bucket(members: list[GatherRequest], async_op: bool, stream: SideStream | None) -> Pending:

@@ -107,8 +107,14 @@ class LowBitGatherPlan:
     gathers_in_place = False
     dtype = torch.uint8
 
-    def __init__(self, layout: GroupLayout, rank: int, unsharded: torch.Tensor, fmt: LowBitFormat):
+    def __init__(self, layout: GroupLayout, rank: int, unsharded: torch.Tensor, fmt: LowBitFormat,
+                 keep_codes: bool = False):
         self.layout, self.rank, self.unsharded = layout, rank, unsharded
+        self.keep_codes = keep_codes
+        """Hold every rank's landed row after unpacking (ZeRO-3 groups), so the
+        backward gather decodes them again without communicating."""
+        self.kept: torch.Tensor | None = None
+        """The (world, row) table of the step's codes, while held (Note [kept codes])."""
         self.row = LowBitRow(layout, fmt, unsharded.dtype)
         self.own = torch.zeros(self.row.nbytes, dtype=torch.uint8, device=unsharded.device)
         """This rank's row: the quantized copy of its chunks, made once per optimizer step."""
@@ -133,6 +139,7 @@ class LowBitGatherPlan:
         """This rank's row from its main weights (``main_chunk(i)``: parameter i's chunk)."""
         self.row.encode_rows(self.own, main_chunk, self.rank)
         self.encodes += 1
+        self.kept = None  # the old step's codes
 
     def pack(self, row: torch.Tensor, indices: list[int]) -> None:
         row.copy_(self.own)
@@ -141,6 +148,7 @@ class LowBitGatherPlan:
         """Every rank's codes dequantized, and plain chunks copied, into the
         unsharded buffer: rank r's rows of a coded parameter land in its slot."""
         row, fmt, params = self.row, self.row.fmt, self.layout.params
+        self.kept = table if self.keep_codes else None
         codes, scales, plain = row.parts(table)
         with torch.no_grad():
             for k, i in enumerate(row.coded):
@@ -157,3 +165,15 @@ class LowBitGatherPlan:
                 pairs = [views.scatter_pairs(self.unsharded, views.wire_slots(plain, row.plains.params[k]), params[i])
                          for k, i in enumerate(row.plain)]
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+# Note [kept codes]
+# ZeRO-3 gathers a unit twice a step, forward and backward, and between an
+# optimizer step and the next the codes cannot change. So a ZeRO-3 group's
+# plan keeps the table it unpacked (1 byte per element of the unit plus
+# scales: a quarter of the fp32 weights) when the unit reshards after a
+# training forward; the backward gather decodes it again and drops it,
+# moving nothing (ZeRO++'s hpZ keeps a secondary copy for the same reason).
+# Any other reshard (after backward, an explicit reshard(), an eval forward)
+# and a new encode drop it, so codes are never held past the backward that
+# needs them nor decoded for weights they no longer describe.

@@ -67,7 +67,8 @@ class GroupBuffers:
             self._allocate_grads(device, main_dtype)
         self.gather_plan = None
         if self.lowbit is not None:
-            self.gather_plan = LowBitGatherPlan(layout, index, self.unsharded.data, self.lowbit)
+            self.gather_plan = LowBitGatherPlan(layout, index, self.unsharded.data, self.lowbit,
+                                                keep_codes=not placement.keep_model_weights)
         elif placement.sharded:
             source = self.unsharded.data if placement.keep_model_weights else self.model_local
             self.gather_plan = GatherPlan(layout, index, self.unsharded.data, source,

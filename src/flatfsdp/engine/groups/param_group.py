@@ -206,7 +206,8 @@ class ParamGroup:
                         b.model_local.copy_(b.main, non_blocking=self.offload is not None)
                 self._mark_synced()
             b.unsharded.alloc()
-            return GatherRequest(b.gather_plan, b.pg)
+            kept = b.lowbit is not None and b.gather_plan.kept is not None
+            return GatherRequest(b.gather_plan, b.pg, local=kept)
         if self._in_sync():
             return None
         if b.lowbit is not None:
@@ -241,11 +242,15 @@ class ParamGroup:
                                   for p in self.layout.params],
                                  [b.main_chunk(i) for i in range(len(self.params))])
 
-    def reshard(self, free_storage: bool = True) -> None:
+    def reshard(self, free_storage: bool = True, keep_codes: bool = False) -> None:
         """Release the gathered weights (ZeRO-3 only; the others keep them).
         ``free_storage=False`` keeps their storage allocated (FSDP2's
-        ``set_keep_unsharded_storage``): the next gather lands at the same address."""
+        ``set_keep_unsharded_storage``): the next gather lands at the same address.
+        ``keep_codes``: a training forward ends and its backward will gather
+        again; low-bit codes stay held for it (Note [kept codes])."""
         self._unsharded = False
+        if self.buffers.lowbit is not None and not keep_codes:
+            self.buffers.gather_plan.kept = None
         if free_storage and not self.placement.keep_model_weights:
             self.buffers.unsharded.free()
 

@@ -145,13 +145,13 @@ class UnitState:
                 for pending in gathers:
                     pending.wait()
 
-    def reshard(self) -> None:
+    def reshard(self, keep_codes: bool = False) -> None:
         if not self._swapped_in:
             return
         with record_function(self.label("reshard")):
             self.wait_unshard()
             for group in self.groups:
-                group.reshard(free_storage=not self.controls.keep_unsharded_storage)
+                group.reshard(free_storage=not self.controls.keep_unsharded_storage, keep_codes=keep_codes)
                 group.use_sharded_params()
             self._swapped_in = False
 
@@ -228,7 +228,7 @@ class UnitState:
         """The unit's forward is over: release its weights unless kept."""
         self._forwarded.clear()
         if not (context.training_forward and self._keep_gathered_after_forward(context)):
-            self.reshard()
+            self.reshard(keep_codes=context.training_forward)
         self.training_state = TrainingState.IDLE
 
     def _keep_gathered_after_forward(self, context: RootContext) -> bool:
