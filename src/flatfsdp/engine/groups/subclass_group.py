@@ -167,8 +167,10 @@ class SubclassGroup:
         if self._swapped_in:
             self._install(self.params)
 
-    def reshard(self, free_storage: bool = True) -> None:
-        """``free_storage=False``: FSDP2's ``set_keep_unsharded_storage``."""
+    def reshard(self, free_storage: bool = True, keep_codes: bool = False) -> None:
+        """``free_storage=False``: FSDP2's ``set_keep_unsharded_storage``.
+        ``keep_codes`` is for low-bit groups; subclass parameters gather their
+        own bytes each time (their class decides what travels)."""
         self._unsharded = False
         if free_storage and self.plan is not None and not self.placement.keep_model_weights:
             self.plan.free()
