@@ -81,3 +81,37 @@ def test_formats_are_parsed_or_refused_by_name():
         parse_format("int4")
     with pytest.raises(ValueError, match="block size"):
         LowBitFormat("int8", block=0)
+
+
+def test_int8_codes_need_no_clamp_at_the_block_maximum():
+    # Every block's largest magnitude divided by its scale lands a float
+    # rounding away from 127; rounding must bring it back (never 128 or -128).
+    torch.manual_seed(2)
+    fmt = LowBitFormat("int8", block=8)
+    x = torch.randn(4096, 8) * torch.logspace(-30, 30, 4096).unsqueeze(1)
+    x[::2] = -x[::2]
+    codes, scales, _ = _round_trip(x, fmt)
+    reference = torch.div(x, scales).clamp(-127, 127).round()
+    assert torch.equal(codes.view(torch.int8).float(), reference)
+    assert codes.view(torch.int8).abs().amax(dim=1).eq(127).all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_accumulating_dequantize_adds_exactly_what_a_decode_would(kind):
+    # The int8 gradient sum decodes each peer's codes piecewise into the
+    # total; it must add bit for bit what a whole decode, then an add, would.
+    from flatfsdp.engine.layout.lowbit import dequantize_flat, quantize_flat
+
+    torch.manual_seed(3)
+    fmt = LowBitFormat(kind, block=64)
+    n = 300_001  # several passes of rows and a short tail block
+    x = torch.randn(n)
+    codes = torch.empty(n, dtype=torch.uint8)
+    scales = torch.empty(fmt.blocks(n))
+    quantize_flat(x, fmt, codes, scales)
+    decoded = torch.empty(n)
+    dequantize_flat(codes, scales, fmt, decoded)
+    total = torch.randn(n)
+    expected = total + decoded
+    dequantize_flat(codes, scales, fmt, total, accumulate=True)
+    assert torch.equal(total, expected)

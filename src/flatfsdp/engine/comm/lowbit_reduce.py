@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from flatfsdp.engine.comm.exchange import post_messages
 from flatfsdp.engine.layout.lowbit import LowBitFormat, dequantize_flat, quantize_flat
+from flatfsdp.engine.layout.views import same_start
 
 
 def _round16(n: int) -> int:
@@ -51,14 +52,19 @@ def lowbit_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.
                           [(peer, received[j]) for j, peer in enumerate(peers)], group)
 
     def finish() -> None:
+        # own chunk first, then the peers in rank order: the same sum on every
+        # run. Summed straight into ``output`` (fp32), a cache-sized piece at a
+        # time: no whole-chunk temporaries.
         own = flat[me * size:(me + 1) * size]
-        total = own.to(torch.float32, copy=True)
-        decoded = torch.empty(size, dtype=torch.float32, device=flat.device)
-        for j in range(len(peers)):  # peers in rank order: the same sum on every run
+        total = output if output.dtype == torch.float32 else torch.empty(size, dtype=torch.float32,
+                                                                          device=output.device)
+        if not same_start(own, total):
+            total.copy_(own)
+        for j in range(len(peers)):
             codes, scales = _parts(received[j], size, fmt)
-            dequantize_flat(codes, scales, fmt, decoded)
-            total.add_(decoded)
-        output.copy_(total)
+            dequantize_flat(codes, scales, fmt, total, accumulate=True)
+        if total is not output:
+            output.copy_(total)
 
     return works, [finish]
 

@@ -121,27 +121,36 @@ def quantize(x: torch.Tensor, fmt: LowBitFormat, codes: torch.Tensor, scales: to
             scale = amax.float().div_(fmt.qmax)
             scale = torch.where(scale > 0, scale, 1.0)  # an all-zero block codes as zeros
             scales[rows, cols].copy_(scale.squeeze(-1))
-            scaled = torch.div(values, scale).clamp_(-fmt.qmax, fmt.qmax)
+            scaled = torch.div(values, scale)
             if fmt.kind == "int8":
+                # |x| <= amax, so |x / scale| exceeds 127 by float rounding at
+                # most, and rounds to 127: no clamp pass needed.
                 out.view(torch.int8).copy_(scaled.round_())
             else:
-                out.view(_FP8).copy_(scaled)
+                out.view(_FP8).copy_(scaled.clamp_(-fmt.qmax, fmt.qmax))
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, out: torch.Tensor) -> None:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, out: torch.Tensor,
+               *, accumulate: bool = False) -> None:
     """``out`` (rows, n) = float32(code) * scale, rounded into ``out``'s
     dtype. The codes are decoded into ``out`` exactly (8-bit values fit any
-    float dtype) and scaled in place: vectorised passes, no large temporary."""
+    float dtype) and scaled in place: vectorised passes, no large temporary.
+    ``accumulate``: ``out += `` the same values instead (decoded into a
+    cache-sized temporary per pass: a gradient sum needs no decoded copy of
+    the whole chunk, whose fresh pages cost more than the arithmetic)."""
     for rows in _row_ranges(codes.shape[0], codes.shape[-1]):
         parts = zip(_split(codes[rows], fmt), _split(out[rows], fmt))
         for (c, cols), (o, _) in parts:
             scale = scales[rows, cols].unsqueeze(-1)
+            target = torch.empty(o.shape, dtype=o.dtype, device=o.device) if accumulate else o
             if fmt.kind == "int8":
-                o.copy_(c.view(torch.int8))
+                target.copy_(c.view(torch.int8))
             else:
-                o.copy_(_fp8_as_fp16(c))
+                target.copy_(_fp8_as_fp16(c))
                 scale = scale * _FP8_AS_FP16_FACTOR
-            o.mul_(scale)
+            target.mul_(scale)
+            if accumulate:
+                o.add_(target)
 
 
 _FP8_AS_FP16_FACTOR = 256.0
@@ -174,9 +183,10 @@ def quantize_flat(x: torch.Tensor, fmt: LowBitFormat, codes: torch.Tensor, scale
         quantize(values, fmt, c, scales[cols].view(-1, 1))
 
 
-def dequantize_flat(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, out: torch.Tensor) -> None:
+def dequantize_flat(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, out: torch.Tensor,
+                    *, accumulate: bool = False) -> None:
     for (c, cols), (o, _) in zip(_flat_parts(codes, fmt.block), _flat_parts(out, fmt.block)):
-        dequantize(c, scales[cols].view(-1, 1), fmt, o)
+        dequantize(c, scales[cols].view(-1, 1), fmt, o, accumulate=accumulate)
 
 
 def quantize_dequantize(x: torch.Tensor, fmt: LowBitFormat, dtype: torch.dtype | None = None) -> torch.Tensor:
