@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flatfsdp
-from flatfsdp.engine.layout.lowbit import LowBitFormat, quantize_dequantize
+from flatfsdp.engine.layout.block_formats import BlockFormat, block_format, quantize_dequantize
 from flatfsdp.models.gpt import TransformerBlock, lm_loss
 from harness import run_ranks
 from training import batches, full_params, global_mean, local_slice, make_model, make_optimizer
@@ -23,7 +23,7 @@ BLOCK = 16
 STEPS = 3
 
 
-def qdq_reference(steps: int, fmt: LowBitFormat) -> list[float]:
+def qdq_reference(steps: int, fmt: BlockFormat) -> list[float]:
     master = make_model()
     opt = make_optimizer("adamw", master.named_parameters())
     losses = []
@@ -64,11 +64,11 @@ def shard(front: str, strategy: str, **lowbit):
 
 def plans(model) -> list:
     units = [m for m in model.modules() if isinstance(m, flatfsdp.FSDPModule)]
-    return [g.buffers.gather_plan for u in units for g in u._flatfsdp_state.groups
-            if getattr(g.buffers, "lowbit", None) is not None and u is u._flatfsdp_state.modules[0]]
+    return [g.buffers.gather_codec for u in units for g in u._flatfsdp_state.groups
+            if g.buffers.wire.gathers_codes and u is u._flatfsdp_state.modules[0]]
 
 
-def gathered_vs_quantized_main(model, fmt: LowBitFormat) -> float:
+def gathered_vs_quantized_main(model, fmt: BlockFormat) -> float:
     """Largest distance between what the module computes with and the
     quantize-dequantize of the (gathered) main weights."""
     main = {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -77,7 +77,7 @@ def gathered_vs_quantized_main(model, fmt: LowBitFormat) -> float:
 
 
 def run_config(rank, world, kind, front, strategy, grad=None):
-    fmt = LowBitFormat(kind, BLOCK)
+    fmt = block_format(kind, BLOCK)
     extra = {} if grad is None else {"grad_reduce_dtype": grad}
     model, opt = shard(front, strategy, param_gather_dtype=kind, **extra)
     losses, distance = [], []
@@ -113,7 +113,7 @@ def zero3():
 def test_zero3_computes_with_exactly_the_quantized_main_weights(zero3, kind, front):
     out = zero3[0][kind, front]
     assert max(out["distance"]) <= 1e-6, out["distance"]
-    reference = qdq_reference(STEPS, LowBitFormat(kind, BLOCK))
+    reference = qdq_reference(STEPS, block_format(kind, BLOCK))
     assert abs(out["losses"][0] - reference[0]) <= 1e-6 * abs(reference[0])  # same weights, bit for bit
     assert max(abs(a - b) / b for a, b in zip(out["losses"], reference)) < 1e-5, (out["losses"], reference)
 
@@ -154,7 +154,7 @@ def strategies_worker(rank, world):
 def test_every_strategy_and_outer_dimension_computes_with_the_quantized_main_weights(world, config):
     out = _strategies(world)[0][config]
     assert max(out["distance"]) <= 1e-6, out["distance"]
-    reference = qdq_reference(STEPS, LowBitFormat(config[1], BLOCK))
+    reference = qdq_reference(STEPS, block_format(config[1], BLOCK))
     assert abs(out["losses"][0] - reference[0]) <= 1e-6 * abs(reference[0])
     assert max(abs(a - b) / b for a, b in zip(out["losses"], reference)) < 1e-5, (out["losses"], reference)
     # ZeRO-1/2 gather once per optimizer step anyway; HSDP/HFSDP (ZeRO-3 inside) twice: codes once either way.

@@ -54,9 +54,9 @@ def prefetch_order(rank, world):
 
         def on_forward(index):
             def hook(module, args):
-                seen_forward.append((index, [b._flatfsdp_state._swapped_in for b in blocks]))
+                seen_forward.append((index, [b._flatfsdp_state.is_gathered for b in blocks]))
                 args[0].register_hook(lambda g: seen_backward.append(
-                    (index, [b._flatfsdp_state._swapped_in for b in blocks])))
+                    (index, [b._flatfsdp_state.is_gathered for b in blocks])))
             return hook
         for i, block in enumerate(blocks):
             block.register_forward_pre_hook(on_forward(i))
@@ -117,7 +117,7 @@ def robustness(rank, world):
                               lm_loss(ref(x[:, :-1]), x[:, 1:]).item()))
         at_rest.add(flatfsdp.allocated_buffer_bytes(model))
         rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    gathered = [m for m in model.modules() if isinstance(m, flatfsdp.FSDPModule) and m._flatfsdp_state._swapped_in]
+    gathered = [m for m in model.modules() if isinstance(m, flatfsdp.FSDPModule) and m._flatfsdp_state.is_gathered]
     grad_share = sum(g.buffers.main_grad.numel() * 4 for m in model.modules() if isinstance(m, flatfsdp.FSDPModule)
                      for g in m._flatfsdp_state.groups if g.trainable)
     return {"worst": worst, "at_rest": at_rest, "persistent": flatfsdp.persistent_buffer_bytes(model),

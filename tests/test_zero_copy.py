@@ -55,7 +55,7 @@ def zero_copy_worker(rank, world, strategy):
         start = buffer.data_ptr()
         end = start + buffer.numel() * buffer.element_size()
         seen["views_buffer"] = start <= weight.data_ptr() < end
-        seen["landing"] = [v.data_ptr() for v in group.buffers.gather_plan.landing[big_index]]
+        seen["landing"] = [v.data_ptr() for v in group.buffers.gather_codec.landing[big_index]]
         seen["rows"] = [weight[r * (512 // world)].data_ptr() for r in range(world)]
 
     unit.register_forward_pre_hook(look)  # after the unit's own hook has gathered it

@@ -10,7 +10,8 @@ from flatfsdp.engine.layout.strategy import ShardingStrategy
 from flatfsdp.engine.layout.device import copy_to_host
 from flatfsdp.engine.comm.comm_account import CommAccount, comm_account
 from flatfsdp.engine.comm.fingerprint import ReplicaMismatch, verify_replicas
-from flatfsdp.engine.comm.watchdog import TIMEOUT_ENV, CollectiveTimeout
+from flatfsdp.engine.comm.watchdog import CollectiveTimeout
+from flatfsdp.engine.layout.switches import TIMEOUT_ENV
 from flatfsdp.engine.runtime.fsdp_module import (FSDPModule, GradientReductionHandle, UnshardHandle,
                                                 register_fsdp_forward_method)
 from flatfsdp.engine.runtime.meta_init import mark_initialized, reset_parameters

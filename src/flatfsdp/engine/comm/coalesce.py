@@ -24,29 +24,22 @@ import torch.distributed as dist
 
 from flatfsdp.engine.comm import collectives
 from flatfsdp.engine.comm.collectives import Pending
+from flatfsdp.engine.comm.wire import GatherCodec, ReduceCodec
 from flatfsdp.engine.layout.device import SideStream
-from flatfsdp.engine.comm.gather import GatherPlan
-from flatfsdp.engine.comm.gather import gather as gather_group
-from flatfsdp.engine.layout.lowbit import LowBitFormat
-
-DEFAULT_BUCKET_BYTES = 4 << 20
-"""Collectives on buffers under 4 MiB are coalesced: on gloo here a 4 MiB
-gather costs ~5 ms against ~0.7 ms of fixed latency, and copying it ~0.4 ms."""
+from flatfsdp.engine.layout.options import DEFAULT_BUCKET_BYTES  # noqa: F401  (its home; re-exported for callers)
 
 
 @dataclass
 class GatherRequest:
-    """Gather one group's weights (``plan``) over ``group``; run ``then`` once landed."""
+    """Gather one group's weights (its ``codec``) over ``group``; run ``then`` once landed."""
 
-    plan: GatherPlan
+    codec: GatherCodec
     group: dist.ProcessGroup
     then: list[Callable[[], None]] = field(default_factory=list)
-    local: bool = False
-    """Every rank's row is already here (a low-bit plan's kept codes): decode, move nothing."""
 
     @property
     def nbytes(self) -> int:
-        return self.plan.nbytes
+        return self.codec.nbytes
 
 
 def gather(requests: list[GatherRequest], *, async_op: bool, bucket_bytes: int,
@@ -54,9 +47,13 @@ def gather(requests: list[GatherRequest], *, async_op: bool, bucket_bytes: int,
     """Issue every request; return one Pending per request (bucket members share one)."""
     out: list[Pending | None] = [None] * len(requests)
     for i, request in enumerate(requests):
-        if request.local:
-            out[i] = _decode_kept(request)
-    remote = [i for i, r in enumerate(requests) if not r.local]
+        pending = request.codec.local_result()  # rows already here: nothing travels
+        if pending is None and request.codec.travels_alone:
+            pending = request.codec.issue_alone(request.group, async_op=async_op, stream=stream)
+        if pending is not None:
+            pending.then.extend(request.then)
+            out[i] = pending
+    remote = [i for i, p in enumerate(out) if p is None]
     for bucket in _buckets([requests[i] for i in remote], bucket_bytes, key=lambda r: id(r.group)):
         bucket = [remote[i] for i in bucket]
         pending = _gather_bucket([requests[i] for i in bucket], async_op, stream)
@@ -65,42 +62,28 @@ def gather(requests: list[GatherRequest], *, async_op: bool, bucket_bytes: int,
     return out  # type: ignore[return-value]
 
 
-def _decode_kept(request: GatherRequest) -> Pending:
-    """The rows a low-bit plan kept from this step's forward gather, decoded
-    when the unit waits for them (Note [kept codes])."""
-    plan = request.plan
-
-    def decode() -> None:
-        table = plan.kept
-        plan.unpack(table, plan.every)
-        plan.kept = None  # backward's decode is the last use this step
-        for callback in request.then:
-            callback()
-    return Pending(then=[decode], group=request.group, label="(kept codes)")
-
-
 def _gather_bucket(members: list[GatherRequest], async_op: bool, stream: SideStream | None) -> Pending:
-    if len(members) == 1 and members[0].plan.gathers_in_place:
+    if len(members) == 1:
         only = members[0]
-        pending = gather_group(only.plan, only.group, async_op=async_op, stream=stream)
-        pending.then.extend(only.then)
-        return pending
-    # One byte row per rank holding every member's local buffer back to back;
-    # each member's part of the gathered rows is copied into place. (Plans of
-    # parameters that gather themselves always come this way: see
-    # groups/subclass_gather.)
+        pending = only.codec.issue_alone(only.group, async_op=async_op, stream=stream)
+        if pending is not None:
+            pending.then.extend(only.then)
+            return pending
+    # One byte row per rank holding every member's row back to back; each
+    # member's part of the gathered rows is unpacked into place.
     group, world, rank = members[0].group, members[0].group.size(), members[0].group.rank()
-    sizes = [m.plan.row_bytes for m in members]
+    sizes = [m.codec.row_bytes for m in members]
     total, offsets = sum(sizes), _offsets(sizes)
-    device = members[0].plan.device
+    device = members[0].codec.device
     packed = torch.empty(world, total, dtype=torch.uint8, device=device)
     for m, off, size in zip(members, offsets, sizes):
-        m.plan.pack(packed[rank, off:off + size].view(m.plan.dtype), m.plan.every)
-    pending = collectives.all_gather(packed.view(-1), packed[rank], group, async_op, stream)
+        m.codec.pack(packed[rank, off:off + size])
+    pending = collectives.all_gather(packed.view(-1), packed[rank], group, members[0].codec.transport, async_op,
+                                     stream)
 
     def unpack() -> None:
         for m, off, size in zip(members, offsets, sizes):
-            m.plan.unpack(packed[:, off:off + size].view(m.plan.dtype), m.plan.every)
+            m.codec.unpack(packed[:, off:off + size])
             for callback in m.then:
                 callback()
     pending.then.append(unpack)
@@ -110,12 +93,14 @@ def _gather_bucket(members: list[GatherRequest], async_op: bool, stream: SideStr
 @dataclass
 class ReduceRequest:
     """Sum ``flat`` over ``group``: all of it in place ("all_reduce"), or this
-    rank's slice into ``output`` ("reduce_scatter"). ``then`` runs once landed."""
+    rank's slice into ``output`` ("reduce_scatter"), as ``codec`` moves bytes.
+    ``then`` runs once landed."""
 
     kind: str
     flat: torch.Tensor
     output: torch.Tensor
     group: dist.ProcessGroup
+    codec: ReduceCodec
     then: list[Callable[[], None]] = field(default_factory=list)
     pending: Pending | None = None
     """Set when issued; until then a ``ReductionQueue`` may hold it in a bucket."""
@@ -126,12 +111,17 @@ class ReduceRequest:
     outer: dist.ProcessGroup | None = None
     """HSDP: once summed over ``group``, ``output`` is all-reduced over this
     group too (the replicas'), before ``then``."""
-    lowbit: LowBitFormat | None = None
-    """A reduce-scatter whose chunks travel as block-scaled codes (grad_reduce_dtype="int8")."""
+    average: bool = False
+    """The codec's collective averages (FSDP2's ``ReduceOp.AVG``; wire.ReduceCodec.averages)."""
 
     @property
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    @property
+    def bucket_key(self) -> tuple:
+        """Requests with equal keys may share one collective."""
+        return (id(self.group), id(self.outer), self.kind, self.flat.dtype, self.codec.key, self.average)
 
     def wait(self) -> None:
         if self.pending is None and self.flush is not None:
@@ -141,17 +131,18 @@ class ReduceRequest:
 
 
 def reduce(members: list[ReduceRequest], *, async_op: bool, stream: SideStream | None = None) -> Pending:
-    """One collective for requests of one kind, dtype and groups (and, with
-    replicas, one all-reduce across them for the whole bucket)."""
-    outer = members[0].outer
+    """One collective for requests of one bucket key (and, with replicas, one
+    all-reduce across them for the whole bucket)."""
+    outer, codec = members[0].outer, members[0].codec
     if len(members) == 1:
         only = members[0]
         if only.kind == "all_reduce":
-            pending = collectives.all_reduce(only.flat, only.group, async_op, stream)
+            pending = codec.all_reduce(only.flat, only.group, async_op=async_op, stream=stream)
         else:
-            pending = _reduce_scatter(only.output, only.flat, only.group, async_op, stream, only.lowbit)
+            pending = codec.reduce_scatter(only.output, only.flat, only.group, async_op=async_op, stream=stream,
+                                           average=only.average)
         if outer is not None:
-            pending.then.append(lambda: collectives.all_reduce(only.output, outer).wait())
+            pending.then.append(lambda: codec.all_reduce(only.output, outer).wait())
     elif members[0].kind == "all_reduce":
         pending = _all_reduce_packed(members, async_op, stream, outer)
     else:
@@ -166,13 +157,14 @@ def reduce(members: list[ReduceRequest], *, async_op: bool, stream: SideStream |
 
 def _all_reduce_packed(members: list[ReduceRequest], async_op: bool, stream: SideStream | None,
                        outer: dist.ProcessGroup | None) -> Pending:
+    codec = members[0].codec
     packed = torch.cat([m.flat.reshape(-1) for m in members])
-    pending = collectives.all_reduce(packed, members[0].group, async_op, stream)
+    pending = codec.all_reduce(packed, members[0].group, async_op=async_op, stream=stream)
     offsets = _offsets([m.flat.numel() for m in members])
 
     def unpack() -> None:
         if outer is not None:
-            collectives.all_reduce(packed, outer).wait()
+            codec.all_reduce(packed, outer).wait()
         for m, off in zip(members, offsets):
             m.flat.view(-1).copy_(packed[off:off + m.flat.numel()])
     pending.then.append(unpack)
@@ -181,6 +173,7 @@ def _all_reduce_packed(members: list[ReduceRequest], async_op: bool, stream: Sid
 
 def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool, stream: SideStream | None,
                            outer: dist.ProcessGroup | None) -> Pending:
+    codec = members[0].codec
     group, world = members[0].group, members[0].group.size()
     sizes = [m.output.numel() for m in members]
     total, offsets = sum(sizes), _offsets(sizes)
@@ -190,22 +183,16 @@ def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool, stream:
     for m, off, size in zip(members, offsets, sizes):
         by_rank[:, off:off + size].copy_(m.flat.view(world, size))
     result = torch.empty(total, dtype=first.dtype, device=first.device)
-    pending = _reduce_scatter(result, packed, group, async_op, stream, members[0].lowbit)
+    pending = codec.reduce_scatter(result, packed, group, async_op=async_op, stream=stream,
+                                   average=members[0].average)
 
     def unpack() -> None:
         if outer is not None:
-            collectives.all_reduce(result, outer).wait()
+            codec.all_reduce(result, outer).wait()
         for m, off, size in zip(members, offsets, sizes):
             m.output.copy_(result[off:off + size])
     pending.then.append(unpack)
     return pending
-
-
-def _reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
-                    stream: SideStream | None, lowbit: LowBitFormat | None) -> Pending:
-    if lowbit is not None:
-        return collectives.reduce_scatter_lowbit(output, flat, group, lowbit)
-    return collectives.reduce_scatter(output, flat, group, async_op, stream)
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -8,7 +8,6 @@ and CPU (gloo work handles).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,8 +18,7 @@ from torch.autograd.profiler import record_function
 from flatfsdp.engine.comm.comm_account import comm_account
 from flatfsdp.engine.layout.device import SideStream, wait_event
 from flatfsdp.engine.comm.exchange import exchange_all_gather, exchange_reduce_scatter, post_messages
-from flatfsdp.engine.comm.lowbit_reduce import lowbit_reduce_scatter, wire_bytes
-from flatfsdp.engine.layout.lowbit import LowBitFormat
+from flatfsdp.engine.layout.switches import Transport
 from flatfsdp.engine.layout.views import same_start
 from flatfsdp.engine.comm.torch_collectives import all_gather_single, reduce_scatter_single
 from flatfsdp.engine.comm.watchdog import wait_works
@@ -38,10 +36,12 @@ class Pending:
     group: "dist.ProcessGroup | None" = None
     label: str = ""
     """What this is, for an error: "unit 'blocks.0': forward gather (all_gather)"."""
+    timeout_s: float | None = None
+    """FLATFSDP_TIMEOUT as the transport carries it (comm/watchdog.py)."""
 
     def wait(self) -> None:
         works, self.works = self.works, []
-        wait_works(works, self.peers, self.group, self.label)
+        wait_works(works, self.peers, self.group, self.label, self.timeout_s)
         event, self.event = self.event, None
         wait_event(event)
         callbacks, self.then = self.then, []
@@ -53,8 +53,8 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _run(kind: str, size: int, group: dist.ProcessGroup, stream: SideStream | None, async_op: bool,
-         issue: Callable[[bool], Pending]) -> Pending:
+def counted(kind: str, size: int, group: dist.ProcessGroup, transport: Transport, stream: SideStream | None,
+         async_op: bool, issue: Callable[[bool], Pending]) -> Pending:
     """Count, label and launch one collective; ``issue(async_op)`` enqueues it.
     On a side stream the launch is synchronous *to that stream* (the host does
     not block) and an event marks its end."""
@@ -66,7 +66,16 @@ def _run(kind: str, size: int, group: dist.ProcessGroup, stream: SideStream | No
             pending, event = stream.launch(lambda: issue(False))
             pending.event = event
         pending.label = f"({kind})"
+        pending.timeout_s = transport.timeout_s
         return pending
+
+
+def algorithm(group: dist.ProcessGroup, transport: Transport) -> str:
+    """How gathers and reduce-scatters run over ``group``: "native" everywhere
+    but gloo; on gloo the transport's choice (FLATFSDP_GLOO_ALGORITHM, default
+    "exchange": Note [gloo exchange] in exchange.py; "all_reduce" all-reduces
+    gradients and keeps the local slice)."""
+    return transport.algorithm(dist.get_backend(group))
 
 
 def _handles(group: dist.ProcessGroup, *works: "dist.Work | None") -> Pending:
@@ -77,69 +86,62 @@ def _messages(group: dist.ProcessGroup, pairs: list, then: list | None = None) -
     return Pending([w for w, _ in pairs], then=then or [], peers=[p for _, p in pairs], group=group)
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, transport: Transport,
                async_op: bool = False, stream: SideStream | None = None) -> Pending:
     """Gather equal shards into ``output``, rank-major. ``shard`` may be
     ``output``'s own slice: in-place gathers need no staging copy."""
-    if gloo_algorithm(group) == "exchange":
-        return _run("all_gather", nbytes(output), group, None, async_op,
+    if algorithm(group, transport) == "exchange":
+        return counted("all_gather", nbytes(output), group, transport, None, async_op,
                     lambda _: _messages(group, exchange_all_gather(output, shard, group)))
-    return _run("all_gather", nbytes(output), group, stream, async_op,
+    return counted("all_gather", nbytes(output), group, transport, stream, async_op,
                 lambda a: _handles(group, all_gather_single(output, shard, group=group, async_op=a)))
 
 
 def gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup, size: int,
-                  async_op: bool = False, stream: SideStream | None = None) -> Pending:
+                  transport: Transport, async_op: bool = False, stream: SideStream | None = None) -> Pending:
     """Several equal-shard all-gathers that together fill one buffer of ``size``
     bytes (counted once): ``(output, shard)`` pairs, each rank-major."""
     def issue(a: bool) -> Pending:
         return _handles(group, *(all_gather_single(out, shard, group=group, async_op=a)
                                  for out, shard in pieces))
-    return _run("all_gather", size, group, stream, async_op, issue)
+    return counted("all_gather", size, group, transport, stream, async_op, issue)
 
 
 def exchange(kind: str, size: int, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
-             group: dist.ProcessGroup) -> Pending:
+             group: dist.ProcessGroup, transport: Transport, then: list[Callable[[], None]] | None = None) -> Pending:
     """Point-to-point messages that together implement one collective of
-    ``size`` bytes (counted as ``kind``); see exchange.post_messages."""
-    return _run(kind, size, group, None, True, lambda _: _messages(group, post_messages(sends, recvs, group)))
+    ``size`` bytes (counted as ``kind``); see exchange.post_messages. ``then``
+    runs once they have landed (a reduction's summation)."""
+    return counted(kind, size, group, transport, None, True,
+                lambda _: _messages(group, post_messages(sends, recvs, group), then))
 
 
-def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, transport: Transport,
                    async_op: bool = False, stream: SideStream | None = None) -> Pending:
     """Sum ``flat`` over the group; this rank's equal slice lands in ``output``.
     ``flat`` may be overwritten (it is a transient gradient buffer)."""
-    algorithm = gloo_algorithm(group)
-    if algorithm == "exchange":
-        return _run("reduce_scatter", nbytes(flat), group, None, async_op,
+    chosen = algorithm(group, transport)
+    if chosen == "exchange":
+        return counted("reduce_scatter", nbytes(flat), group, transport, None, async_op,
                     lambda _: _messages(group, *exchange_reduce_scatter(output, flat, group)))
-    if algorithm == "all_reduce":
-        pending = all_reduce(flat, group, async_op)
+    if chosen == "all_reduce":
+        pending = all_reduce(flat, group, transport, async_op)
         shard = flat.numel() // group.size()
         mine = flat[group.rank() * shard:(group.rank() + 1) * shard]
         if not same_start(mine, output):
             pending.then.append(lambda: output.copy_(mine))
         return pending
-    return _run("reduce_scatter", nbytes(flat), group, stream, async_op,
+    return counted("reduce_scatter", nbytes(flat), group, transport, stream, async_op,
                 lambda a: _handles(group, reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM,
                                                                      group=group, async_op=a)))
 
 
-def reduce_scatter_lowbit(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup,
-                          fmt: LowBitFormat) -> Pending:
-    """``reduce_scatter`` with each peer's chunk sent as block-scaled codes
-    (lowbit_reduce.py), on any backend; counted at the bytes of its codes."""
-    size = group.size() * wire_bytes(output.numel(), fmt)
-    return _run("reduce_scatter", size, group, None, True,
-                lambda _: _messages(group, *lowbit_reduce_scatter(output, flat, group, fmt)))
-
-
-def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
+def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, transport: Transport, async_op: bool = False,
                stream: SideStream | None = None) -> Pending:
     """Sum ``flat`` over the group, in place. Kept as gloo's own all-reduce even
     where gathers are exchanges: replicas must end bitwise equal, which one
     collective guarantees and per-rank sums in different orders would not."""
-    return _run("all_reduce", nbytes(flat), group, stream, async_op,
+    return counted("all_reduce", nbytes(flat), group, transport, stream, async_op,
                 lambda a: _handles(group, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=a)))
 
 
@@ -152,18 +154,3 @@ def dim_name(group: dist.ProcessGroup) -> str:
     if group.size() == dist.get_world_size():
         return "world"
     return desc or getattr(group, "group_name", "group")
-
-
-GLOO_ALGORITHMS = ("exchange", "native", "all_reduce")
-
-
-def gloo_algorithm(group: dist.ProcessGroup) -> str:
-    """How gathers and reduce-scatters run: "native" everywhere but gloo; on
-    gloo FLATFSDP_GLOO_ALGORITHM (default "exchange", Note [gloo exchange] in
-    exchange.py; "all_reduce" all-reduces gradients and keeps the local slice)."""
-    if dist.get_backend(group) != "gloo":
-        return "native"
-    choice = os.environ.get("FLATFSDP_GLOO_ALGORITHM", "exchange")
-    if choice not in GLOO_ALGORITHMS:
-        raise ValueError(f"FLATFSDP_GLOO_ALGORITHM={choice!r}: expected one of {', '.join(GLOO_ALGORITHMS)}")
-    return choice

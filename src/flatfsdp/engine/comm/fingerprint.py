@@ -18,7 +18,6 @@ different file on one rank, otherwise trains as a silent mix of shards).
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 import warnings
 from typing import Iterable
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatfsdp.engine.comm.torch_collectives import all_gather_single
+from flatfsdp.engine.layout.switches import CHECK_VALUES_ENV
 
 
 class ReplicaMismatch(ValueError):
@@ -45,25 +45,16 @@ def _hash(description: tuple) -> int:
     return struct.unpack("<q", digest[:8])[0]
 
 
-CHECK_VALUES_ENV = "FLATFSDP_CHECK_REPLICAS"
-"""What differing replica values do at fully_shard: ``error``, ``warn``, or
-``0`` to skip the value check (ranks that start from different weights on
-purpose and load the same checkpoint after sharding). Unset, each front door
-picks: the one-call form raises; the per-module (FSDP2) form warns, because
-FSDP2 accepts such replicas and scripts (PyTorch's own tests among them) rely
-on it -- a drop-in must not refuse what FSDP2 runs, but it need not be silent."""
-
-_VALUE_MODES = {"0": "skip", "off": "skip", "warn": "warn", "1": "error", "error": "error"}
-
-
-def value_check_mode(default: str) -> str:
-    """``default`` ("error" or "warn") unless FLATFSDP_CHECK_REPLICAS says otherwise."""
-    setting = os.environ.get(CHECK_VALUES_ENV, "").strip().lower()
-    if not setting:
-        return default
-    if setting not in _VALUE_MODES:
-        raise ValueError(f"{CHECK_VALUES_ENV}={setting!r}: expected one of error, warn, 0")
-    return _VALUE_MODES[setting]
+def value_check_mode(default: str, setting: str | None) -> str:
+    """What differing replica values do at fully_shard: ``error``, ``warn``, or
+    ``skip`` (FLATFSDP_CHECK_REPLICAS=0: ranks that start from different
+    weights on purpose and load the same checkpoint after sharding).
+    ``setting`` is that variable, read once (layout/switches.py); unset, each
+    front door picks (``default``): the one-call form raises; the per-module
+    (FSDP2) form warns, because FSDP2 accepts such replicas and scripts
+    (PyTorch's own tests among them) rely on it -- a drop-in must not refuse
+    what FSDP2 runs, but it need not be silent."""
+    return default if setting is None else setting
 
 
 def check_ranks_agree(description: tuple, group: dist.ProcessGroup, device: torch.device,

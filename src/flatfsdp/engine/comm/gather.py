@@ -16,6 +16,7 @@ kept unsharded buffer) only changes which views are sent.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,17 +26,25 @@ from flatfsdp.engine.layout import views
 from flatfsdp.engine.comm.collectives import Pending
 from flatfsdp.engine.layout.device import SideStream
 from flatfsdp.engine.layout.arithmetic import GroupLayout
+from flatfsdp.engine.layout.switches import Transport
 
 
 class GatherPlan:
-    """Views for gathering one group, built once (buffers keep their views valid
-    across free and re-allocation)."""
+    """The plain gather codec (comm/wire.py): views for gathering one group in
+    its compute dtype, built once (buffers keep their views valid across free
+    and re-allocation)."""
+
+    travels_alone = False
 
     def __init__(self, layout: GroupLayout, rank: int, unsharded: torch.Tensor, source: torch.Tensor,
-                 source_in_unsharded: bool):
+                 source_in_unsharded: bool, transport: Transport, refresh: Callable[[], None]):
+        """``refresh``: brings ``source`` up to date from the main weights (the
+        group's buffers know how: a copy, a cast, HFSDP's outer gather)."""
         self.layout, self.rank, self.unsharded = layout, rank, unsharded
         self.source_in_unsharded = source_in_unsharded
         self.source = source
+        self.transport = transport
+        self.refresh = refresh
         params = layout.params
         self.every = list(range(len(params)))
         self.staged = [i for i in self.every if i not in layout.direct]
@@ -61,10 +70,6 @@ class GatherPlan:
     def dtype(self) -> torch.dtype:
         return self.unsharded.dtype
 
-    gathers_in_place = True
-    """Gathered straight into the buffer parameters view (``gather``), not
-    necessarily through a packed row (see coalesce)."""
-
     @property
     def row_bytes(self) -> int:
         """Bytes of this rank's local buffer: its row in a packed gather."""
@@ -80,9 +85,31 @@ class GatherPlan:
             return views.unsharded_slot(self.source, p, self.rank)
         return views.local_slot(self.source, p)
 
+    # ---- the codec's face (comm/wire.py) -------------------------------------------------
+
+    def local_result(self) -> Pending | None:
+        return None
+
+    def issue_alone(self, group: dist.ProcessGroup, *, async_op: bool,
+                    stream: SideStream | None) -> Pending | None:
+        """Straight into the buffer the parameters view (see ``gather``)."""
+        return gather(self, group, async_op=async_op, stream=stream)
+
+    def pack(self, row: torch.Tensor) -> None:
+        self._pack(row.view(self.dtype), self.every)
+
+    def unpack(self, table: torch.Tensor) -> None:
+        self._unpack(table.view(self.dtype), self.every)
+
+    def release(self, keep_rows: bool) -> None:
+        """Nothing is kept between a forward and a backward gather."""
+
+    def held(self) -> list[torch.Tensor]:
+        return []
+
     # ---- packing: this rank's contribution as one local-layout row ------------------------
 
-    def pack(self, row: torch.Tensor, indices: list[int]) -> None:
+    def _pack(self, row: torch.Tensor, indices: list[int]) -> None:
         """Write this rank's chunks of ``indices`` into ``row`` (local layout)."""
         if not indices:
             return
@@ -94,7 +121,7 @@ class GatherPlan:
         src = [views.unsharded_chunk(self.source, self.layout.params[i], self.rank) for i in indices]
         torch._foreach_copy_(dst, src)
 
-    def unpack(self, table: torch.Tensor, indices: list[int]) -> None:
+    def _unpack(self, table: torch.Tensor, indices: list[int]) -> None:
         """Copy gathered chunks of ``indices`` into place from a rank-major (W, row)
         table whose columns are this group's local layout."""
         if not indices:
@@ -120,8 +147,8 @@ def gather(plan: GatherPlan, group: dist.ProcessGroup, *, async_op: bool,
     staging = None
     if plan.staged:
         staging = torch.empty(world, layout.staged_numel, dtype=plan.dtype, device=plan.unsharded.device)
-        plan.pack(staging[rank], plan.staged)
-    if collectives.gloo_algorithm(group) == "exchange":
+        plan._pack(staging[rank], plan.staged)
+    if collectives.algorithm(group, plan.transport) == "exchange":
         plan.place_own_direct()
         peers = [q for q in range(world) if q != rank]
         sends, recvs = [], []
@@ -131,14 +158,14 @@ def gather(plan: GatherPlan, group: dist.ProcessGroup, *, async_op: bool,
         for i in plan.direct:
             sends += [(q, plan.own_slots[i]) for q in peers]
             recvs += [(q, plan.landing[i][q]) for q in peers]
-        pending = collectives.exchange("all_gather", plan.nbytes, sends, recvs, group)
+        pending = collectives.exchange("all_gather", plan.nbytes, sends, recvs, group, plan.transport)
     else:
         pieces = [] if staging is None else [(staging.view(-1), staging[rank])]
         for i in plan.direct:
             p = layout.params[i]
             start = p.unsharded_offset
             pieces.append((plan.unsharded[start:start + world * p.slot], plan.own_slots[i]))
-        pending = collectives.gather_pieces(pieces, group, plan.nbytes, async_op, stream)
+        pending = collectives.gather_pieces(pieces, group, plan.nbytes, plan.transport, async_op, stream)
     if staging is not None:
-        pending.then.append(lambda: plan.unpack(staging, plan.staged))
+        pending.then.append(lambda: plan._unpack(staging, plan.staged))
     return pending

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from flatfsdp.engine.comm import collectives
-from flatfsdp.engine.comm.lowbit_gather import LowBitGatherPlan
 from flatfsdp.engine.layout.arithmetic import ALIGN, GroupLayout, ParamLayout
-from flatfsdp.engine.layout.lowbit import quantize
+from flatfsdp.engine.layout.block_formats import quantize
+from flatfsdp.engine.layout.switches import Transport
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,10 @@ class _Piece:
 class OuterShard:
     """This rank's piece of a group's inner chunks, and the two outer collectives."""
 
-    def __init__(self, inner: GroupLayout, outer_group: dist.ProcessGroup, inner_rank: int):
+    def __init__(self, inner: GroupLayout, outer_group: dist.ProcessGroup, inner_rank: int, transport: Transport):
         self.inner, self.group, self.inner_rank = inner, outer_group, inner_rank
-        self._lowbit_parts: tuple | None = None
+        self.transport = transport
+        self._code_parts: tuple | None = None
         self.outer, self.rank = outer_group.size(), outer_group.rank()
         pieces, cursor = [], 0
         for p in inner.params:
@@ -102,7 +103,7 @@ class OuterShard:
         tables, chunks = self._pairs(table, chunk_sums)
         if tables:
             torch._foreach_copy_(tables, chunks)
-        collectives.reduce_scatter(out, table, self.group).wait()
+        collectives.reduce_scatter(out, table, self.group, self.transport).wait()
 
     def all_gather(self, piece: torch.Tensor, chunks_out: torch.Tensor) -> None:
         """Every replica's updated piece (cast to ``chunks_out``'s dtype) into
@@ -110,27 +111,28 @@ class OuterShard:
         table = torch.empty(self.outer * self.numel, dtype=chunks_out.dtype, device=chunks_out.device)
         mine = table[self.rank * self.numel:(self.rank + 1) * self.numel]
         mine.copy_(piece)
-        collectives.all_gather(table, mine, self.group).wait()
+        collectives.all_gather(table, mine, self.group, self.transport).wait()
         tables, chunks = self._pairs(table, chunks_out)
         if tables:
             torch._foreach_copy_(chunks, tables)
 
-    # ---- low-bit weights (param_gather_dtype) -------------------------------------------------
+    # ---- block-scaled weights (param_gather_dtype) --------------------------------------------
 
-    def all_gather_lowbit(self, piece: torch.Tensor, plan: LowBitGatherPlan) -> None:
+    def all_gather_codes(self, piece: torch.Tensor, row, own: torch.Tensor) -> None:
         """Once per optimizer step: this rank's piece of the main weights as
         codes, scales and plain values, gathered across the outer dimension
-        as bytes straight into the plan's row for the inner gathers. Codes
+        as bytes straight into ``own``, the row the inner gathers send (``row``:
+        its block_gather.BlockRow layout). Codes
         are per row block and pieces are whole rows, so a piece's codes are
         the same bytes as its rows' codes in the chunk (Note [low-bit blocks])."""
-        row = plan.row
-        if self._lowbit_parts is None:
-            shards = [OuterShard(sub, self.group, self.inner_rank) for sub in (row.codes, row.scales, row.plains)]
+        if self._code_parts is None:
+            shards = [OuterShard(sub, self.group, self.inner_rank, self.transport)
+                      for sub in (row.codes, row.scales, row.plains)]
             device = piece.device
             buffers = [torch.zeros(shard.numel, dtype=dtype, device=device)
                        for shard, dtype in zip(shards, (torch.uint8, torch.float32, row.compute_dtype))]
-            self._lowbit_parts = (shards, buffers)
-        (codes, scales, plains), (code_piece, scale_piece, plain_piece) = self._lowbit_parts
+            self._code_parts = (shards, buffers)
+        (codes, scales, plains), (code_piece, scale_piece, plain_piece) = self._code_parts
         with torch.no_grad():
             for k, i in enumerate(row.coded):
                 x = self.piece_view(piece, i)
@@ -141,7 +143,6 @@ class OuterShard:
             for k, i in enumerate(row.plain):
                 plains.piece_view(plain_piece, k).copy_(self.piece_view(piece, i))
             for shard, part, out in zip((codes, scales, plains), (code_piece, scale_piece, plain_piece),
-                                        row.parts(plan.own)):
+                                        row.parts(own)):
                 if shard.numel:
                     shard.all_gather(part, out)
-        plan.encodes += 1

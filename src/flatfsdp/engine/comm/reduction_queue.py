@@ -2,8 +2,8 @@
 the optimizer step: coalesced when small, asynchronous, bounded in number.
 
 A unit's reduction is issued as soon as its backward ends, unless it is small:
-then it waits in an open bucket (with others of the same kind, dtype and
-group) until the bucket is full, someone needs its result, or the backward
+then it waits in an open bucket (with others of the same kind, dtype, groups
+and codec: ``ReduceRequest.bucket_key``) until the bucket is full, someone needs its result, or the backward
 ends. At most ``max_in_flight`` issued reductions are outstanding; each holds
 an unsharded gradient buffer, so this bounds the memory backward can take.
 
@@ -35,7 +35,7 @@ class ReductionQueue:
         if request.nbytes >= self.bucket_bytes:
             self._issue([request])
             return
-        key = (id(request.group), id(request.outer), request.kind, request.flat.dtype, request.lowbit)
+        key = request.bucket_key
         bucket = self._open.get(key)
         if bucket and sum(r.nbytes for r in bucket) + request.nbytes > self.bucket_bytes:
             self._issue(self._open.pop(key))

@@ -29,9 +29,6 @@ class ScheduleMismatch(RuntimeError):
     """Ranks ran different unit collectives in one step."""
 
 
-def schedule_check_enabled() -> bool:
-    return os.environ.get(SCHEDULE_ENV, "0") not in ("", "0")
-
 
 class ScheduleCheck:
     def __init__(self, enabled: bool):

@@ -27,18 +27,17 @@ makes a mistake look like a hang. ``flatfsdp train --timeout`` and
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as dc10d
 
+from flatfsdp.engine.layout.switches import TIMEOUT_ENV
+
 DEFAULT_TIMEOUT_S = 300.0
 """Five minutes: far above any healthy wait (a step's slowest collective), far
 below gloo's 30-minute default that makes a mistake look like a hang."""
-
-TIMEOUT_ENV = "FLATFSDP_TIMEOUT"
 
 
 class CollectiveTimeout(RuntimeError):
@@ -48,19 +47,6 @@ class CollectiveTimeout(RuntimeError):
         super().__init__(message)
         self.missing = missing
         """Global ranks that did not arrive (None: the backend does not say)."""
-
-
-def timeout_seconds() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
-    return value
 
 
 def _group_timeout(group: "dist.ProcessGroup | None") -> float | None:
@@ -79,11 +65,11 @@ def _group_timeout(group: "dist.ProcessGroup | None") -> float | None:
     return timeout.total_seconds()
 
 
-def wait_limit(group: "dist.ProcessGroup | None") -> tuple[float, str]:
+def wait_limit(group: "dist.ProcessGroup | None", env: float | None = None) -> tuple[float, str]:
     """(seconds, where that limit comes from, for the error message): the
-    shortest of FLATFSDP_TIMEOUT, the waited group's timeout and the default
-    group's timeout (a mesh's sub-groups get torch's default unless told)."""
-    env = timeout_seconds() if os.environ.get(TIMEOUT_ENV) is not None else None
+    shortest of FLATFSDP_TIMEOUT (``env``, read once: layout/switches.py),
+    the waited group's timeout and the default group's timeout (a mesh's
+    sub-groups get torch's default unless told)."""
     candidates = []
     if env is not None:
         candidates.append((env, f"{TIMEOUT_ENV}={env:g} (flatfsdp train --timeout)"))
@@ -104,14 +90,15 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def wait_works(works: list, peers: list | None, group: "dist.ProcessGroup | None", label: str) -> None:
+def wait_works(works: list, peers: list | None, group: "dist.ProcessGroup | None", label: str,
+               env_timeout: float | None = None) -> None:
     """Wait for every work (``peers[i]``: the group rank work i exchanges with,
     None for a collective); raise CollectiveTimeout past the limit."""
     if group is None or dist.get_backend(group) != "gloo":
         for work in works:
             work.wait()
         return
-    seconds, source = wait_limit(group)
+    seconds, source = wait_limit(group, env_timeout)
     limit = timedelta(seconds=seconds)
     for index, work in enumerate(works):
         try:

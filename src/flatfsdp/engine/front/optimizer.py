@@ -11,7 +11,7 @@ process-wide, no attribute set on the optimizer):
 * after each step it tells the parameters' groups that their main weights
   changed, so the next forward re-casts (bf16) and, for ZeRO-1/2, re-gathers
   them exactly once. (An unbound optimizer works too: the engine then assumes
-  a step after every delivered gradient; see ParamGroup._stamp.)
+  a step after every delivered gradient; see GroupCore.stamp.)
 
 State the optimizer already holds (it stepped on the unsharded model) is
 carried over to the sharded parameters, each rank its chunk
@@ -69,7 +69,7 @@ def _model_parameters(model: nn.Module) -> tuple[dict, dict]:
     sharded_of: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
     group_of = {}
     for state in unit_states(model):
-        replaced = {id(real): meta for real, meta in state.meta_originals.items()}
+        replaced = state.deferred.meta_of()
         for group in state.groups:
             for original, computed, sharded in zip(group.originals(), group.params, group.sharded_params):
                 # A tensor-parallel parameter computes through a new DTensor;

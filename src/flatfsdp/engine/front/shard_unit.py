@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from flatfsdp.engine.comm.coalesce import DEFAULT_BUCKET_BYTES
 from flatfsdp.engine.comm.fingerprint import check_ranks_agree, describe, value_check_mode
 from flatfsdp.engine.runtime.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.engine.layout.arithmetic import shard_dim_for
@@ -22,22 +22,19 @@ from flatfsdp.engine.groups.slots import ParamSlot
 from flatfsdp.engine.groups.subclass_group import SubclassGroup
 from flatfsdp.engine.front.subclass_check import check_subclass_params, protocol_slots
 from flatfsdp.engine.layout.placement import GroupPlacement, TensorParallelSpec
-from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
+from flatfsdp.engine.layout.options import ShardOptions
 from flatfsdp.engine.runtime.state_dict import install_state_dict_hooks
 from flatfsdp.engine.layout.strategy import ShardingStrategy
-from flatfsdp.engine.layout.offload import HostOffload
 from flatfsdp.engine.runtime.tied_params import already_managed
+from flatfsdp.engine.runtime.deferred_init import DeferredInit
 from flatfsdp.engine.runtime.unit_state import UnitState
 
 
-def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, strategy: ShardingStrategy,
-               policy: MixedPrecisionPolicy, reshard_after_forward: bool | None = None, average_grads: bool = True,
-               sync_each_microbatch: bool = True, exclude: frozenset[int] = frozenset(), name: str = "",
-               prefetch_bytes: int | None = None, bucket_bytes: int | None = None,
-               meta_init_seed: int | None = None, shard_block=None, shard_placement_fn=None,
-               require_shardable: bool = False, expert_mesh: DataParallelMesh | None = None,
-               offload: HostOffload | None = None, replica_values: str = "error") -> UnitState:
-    """Shard one unit: a module, or several modules that run as one (a list).
+def shard_unit(modules: nn.Module | list[nn.Module], options: ShardOptions, *, name: str = "",
+               exclude: frozenset[int] = frozenset()) -> UnitState:
+    """Shard one unit: a module, or several modules that run as one (a list),
+    as ``options`` say (layout/options.py). ``exclude``: ids of parameters an
+    outer unit owns (tied weights), besides the ignored ones.
 
     ``shard_placement_fn(param) -> Shard(dim) | None`` picks each parameter's
     dimension (FSDP2's argument); ``require_shardable`` refuses scalar and
@@ -47,11 +44,13 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     and gradients in host memory (offload.py). ``replica_values``: "error" or
     "warn" when data-parallel replicas start from different weights
     (comm/fingerprint.py; FLATFSDP_CHECK_REPLICAS overrides)."""
+    mesh, expert_mesh, strategy, policy = options.mesh, options.expert_mesh, options.strategy, options.policy
+    exclude = exclude | options.ignored
     units = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     label = name or ", ".join(type(m).__name__ for m in units)
     _check_units(units, label)
     slots, conflicts = _owned_slots(units, exclude)
-    if require_shardable:
+    if options.require_shardable:
         _refuse_unshardable(slots, label)
     device = mesh_device(mesh.shard)
     # Local checks of how DTensor parameters are placed come first: a refused
@@ -62,7 +61,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     # Values must agree across data-parallel replicas; expert parameters hold a
     # different expert on each expert-parallel rank, so they are left out.
     values = [(s.fqn, s.param) for s in slots if expert_mesh is None or not _is_expert(s.param)]
-    values_differ = value_check_mode(replica_values)
+    values_differ = value_check_mode(options.replica_values, options.switches.check_replicas)
     for dp_group in (mesh.shard, mesh.outer):
         if dp_group is not None and dp_group.size() > 1:
             check_ranks_agree(description, dp_group.get_group(), device, values, values_differ)
@@ -71,38 +70,33 @@ def shard_unit(modules: nn.Module | list[nn.Module], *, mesh: DataParallelMesh, 
     meshes = {False: mesh, True: expert_mesh}
     slots = [chosen for expert in (False, True)
              for chosen in _choose_placements([s for s in slots if (s.fqn in experts) == expert],
-                                              meshes[expert], strategy, shard_block, shard_placement_fn, label)]
+                                              meshes[expert], strategy, options.shard_block,
+                                              options.shard_placement_fn, label)]
     for expert in (False, True):
         check_subclass_params([s for s in slots if (s.fqn in experts) == expert], unit=label,
-                              world=(meshes[expert] or mesh).shard.size(), offload=offload is not None)
+                              world=(meshes[expert] or mesh).shard.size(), offload=options.offload is not None)
     protocol = protocol_slots(slots)
     meta_originals: dict = {}
     pending_init = materialize_meta(units, slots, device, meta_originals)
     own_dtype = {s.fqn for s in slots if policy.keeps_original_dtype(s.param, s.fqn)}
     groups = []
-    for (_dtype, _grad, replicated, _tp, expert, hybrid, keep, own), members in _group(slots, experts, mesh,
-                                                                                        own_dtype, protocol).items():
+    for key, members in _group(slots, experts, mesh, own_dtype, protocol).items():
         tp_mesh = members[0].tp.mesh if members[0].tp is not None else None
-        placement = GroupPlacement.resolve(strategy, meshes[expert], replicate=replicated, tp_mesh=tp_mesh,
-                                           hybrid=hybrid)
-        group_policy = policy.for_original_dtype() if keep else policy
-        if own:  # gathered through the parameters' own class (subclass_group)
-            groups.append(SubclassGroup(members, placement=placement, policy=group_policy, device=device))
+        placement = GroupPlacement.resolve(strategy, meshes[key.expert], replicate=key.replicated, tp_mesh=tp_mesh,
+                                           hybrid=key.hybrid)
+        group_policy = policy.for_original_dtype() if key.own_dtype else policy
+        if key.gathers_itself:  # gathered through the parameters' own class (subclass_group)
+            groups.append(SubclassGroup(members, placement=placement, policy=group_policy, device=device,
+                                        transport=options.switches.transport))
         else:
             groups.append(ParamGroup(members, placement=placement, policy=group_policy, device=device,
-                                     offload=offload))
+                                     transport=options.switches.transport, offload=options.offload))
     for group in groups:
         group.use_sharded_params()
-    state = UnitState(units, groups, policy=policy, reshard_after_forward=reshard_after_forward,
-                      average_grads=average_grads, sync_each_microbatch=sync_each_microbatch,
-                      prefetch_bytes=prefetch_bytes,
-                      bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else _checked_bucket(bucket_bytes))
-    state.pending_init = pending_init
-    state.note_init_baseline()
-    state.deferred_errors = [error for _, error in conflicts]
-    state.deferred_params = {pid for pid, _ in conflicts}
-    state.meta_originals = meta_originals
-    state.init_seed = meta_init_seed if meta_init_seed is not None else _agreed_seed(mesh, device, pending_init)
+    seed = options.meta_init_seed if options.meta_init_seed is not None else _agreed_seed(mesh, device, pending_init)
+    deferred = DeferredInit(pending=pending_init, meta_originals=meta_originals, seed=seed, conflicts=conflicts)
+    deferred.note_baseline(groups)
+    state = UnitState(units, groups, options, deferred)
     for index, module in enumerate(units):
         become_fsdp_module(module, state)
         install_state_dict_hooks(module, index)
@@ -150,12 +144,6 @@ def _refuse_unshardable(slots: list[ParamSlot], unit: str) -> None:
                 f"(shape {tuple(slot.param.shape)}, stride {slot.param.stride()}); make it contiguous first")
 
 
-def _checked_bucket(bucket_bytes: int) -> int:
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes must be a non-negative number of bytes (0: never coalesce), got {bucket_bytes!r}")
-    return bucket_bytes
-
-
 def _name_units_under(module: nn.Module) -> None:
     """Record every unit module's path from ``module``; the outermost call (the
     root) has the last word, so paths end up as the unsharded model's names."""
@@ -178,7 +166,7 @@ def _owned_slots(units: list[nn.Module], exclude: frozenset[int]) -> tuple[list[
     taken_original = {id(p): path for path, s in inner.items() for g in s.groups for p in g.params}
     found: OrderedDict[int, tuple[str, nn.Parameter, list, list]] = OrderedDict()
     conflicts: list[tuple[int, ValueError]] = []
-    deferred = {pid for s in inner.values() for pid in s.deferred_params}  # reported by the unit below
+    deferred = {pid for s in inner.values() for pid in s.deferred.conflicted}  # reported by the unit below
     for index, unit in enumerate(units):
         for mod_name, sub in unit.named_modules(remove_duplicate=False):
             for attr, param in sub._parameters.items():
@@ -279,9 +267,28 @@ def _is_expert(param: nn.Parameter) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
+class GroupKey(NamedTuple):
+    """What the parameters of one param group share."""
+
+    dtype: torch.dtype
+    requires_grad: bool
+    replicated: bool
+    """No dimension is chunked (NO_SHARD, scalars, unsplittable blocks)."""
+    tp_mesh: int | None
+    """id of the tensor-parallel mesh of DTensor parameters (None: plain)."""
+    expert: bool
+    """Sharded over the expert data-parallel mesh."""
+    hybrid: bool
+    """HFSDP: main weights split across the outer dimension too."""
+    own_dtype: bool
+    """Kept in its own dtype by ``param_dtype_override_fn``."""
+    gathers_itself: bool
+    """A tensor subclass gathered through FSDP2's extension (subclass_group)."""
+
+
 def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh,
-           own_dtype: set[str], protocol: set[str]) -> "OrderedDict[tuple, list[ParamSlot]]":
-    groups: OrderedDict[tuple, list[ParamSlot]] = OrderedDict()
+           own_dtype: set[str], protocol: set[str]) -> "OrderedDict[GroupKey, list[ParamSlot]]":
+    groups: OrderedDict[GroupKey, list[ParamSlot]] = OrderedDict()
     for slot in slots:
         tp_mesh = id(slot.tp.mesh) if slot.tp is not None else None
         expert, own = slot.fqn in experts, slot.fqn in protocol
@@ -289,8 +296,8 @@ def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh,
         # replicated, column-chunked, tensor-parallel or a subclass -- stays HSDP.
         hybrid = (mesh.outer_shards_optimizer and not expert and slot.tp is None and slot.shard_dim == 0
                   and not own)
-        key = (slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, expert, hybrid,
-               slot.fqn in own_dtype, own)
+        key = GroupKey(slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, expert, hybrid,
+                       slot.fqn in own_dtype, own)
         groups.setdefault(key, []).append(slot)
     return groups
 

@@ -25,31 +25,25 @@ from __future__ import annotations
 
 import torch
 
-from flatfsdp.engine.comm.gather import GatherPlan
-from flatfsdp.engine.comm.lowbit_gather import LowBitGatherPlan
 from flatfsdp.engine.comm.outer_shard import OuterShard
+from flatfsdp.engine.groups.wire_choice import WireChoice
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import GroupLayout
 from flatfsdp.engine.layout.buffer import FlatBuffer
-from flatfsdp.engine.layout.lowbit import LowBitFormat
 from flatfsdp.engine.layout.offload import HostOffload, staged_on_device
 from flatfsdp.engine.layout.placement import GroupPlacement
 
 
-class GroupBuffers:
-    """A group's buffers, allocated once for its lifetime (the transient ones
-    are ``FlatBuffer``s whose storage comes and goes; the tensors stay)."""
+class GradientBuffers:
+    """The gradient half every group has: the rank-major accumulation buffer,
+    the sharded main grads (and a scratch buffer), the process groups they
+    are reduced over and the codec that reduces them. Weight buffers differ
+    by kind of group: ``GroupBuffers`` (flat) and subclass_buffers."""
 
     def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
-                 compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 trainable: bool, offload: HostOffload | None, lowbit: LowBitFormat | None = None,
-                 grad_lowbit: LowBitFormat | None = None):
-        """``lowbit``: gather the weights as 8-bit codes (comm/lowbit_gather.py);
-        None or a replicated group: in the compute dtype."""
+                 main_dtype: torch.dtype, reduce_dtype: torch.dtype, trainable: bool,
+                 offload: HostOffload | None, wire: WireChoice):
         self.layout, self.placement, self.index = layout, placement, index
-        self.lowbit = lowbit if placement.sharded else None
-        self.grad_lowbit = grad_lowbit if placement.sharded else None
-        """Gradients reduce-scattered as codes (comm/lowbit_reduce.py); None: in ``reduce_dtype``."""
         self.pg = placement.mesh.get_group()
         outer = placement.dp.outer
         self.outer_pg = outer.get_group() if outer is not None and outer.size() > 1 else None
@@ -57,22 +51,16 @@ class GroupBuffers:
         gradients are all-reduced (None: no replicas)."""
         self.compute_device, self.offload = device, offload
         self.reduce_dtype = reduce_dtype
-        self.outer_shard = OuterShard(layout, self.outer_pg, index) if placement.hybrid else None
+        self.wire = wire
+        self.reduce_codec = wire.reduce_codec()
+        """How gradients travel (comm/wire.py); a user's FSDP2 ReduceScatter may replace it."""
+        self.outer_shard = OuterShard(layout, self.outer_pg, index, wire.transport) if placement.hybrid else None
         """HFSDP: the main weights and grads are this rank's piece of its chunks;
         None: they are the chunks themselves."""
-        self._allocate_weights(device, compute_dtype, main_dtype)
         self.grads = self.main_grad = self.main_grad_buffer = self.scratch_grad = None
         self.grads_aliased = False
         if trainable:
             self._allocate_grads(device, main_dtype)
-        self.gather_plan = None
-        if self.lowbit is not None:
-            self.gather_plan = LowBitGatherPlan(layout, index, self.unsharded.data, self.lowbit,
-                                                keep_codes=not placement.keep_model_weights)
-        elif placement.sharded:
-            source = self.unsharded.data if placement.keep_model_weights else self.model_local
-            self.gather_plan = GatherPlan(layout, index, self.unsharded.data, source,
-                                          source_in_unsharded=placement.keep_model_weights)
 
     @property
     def main_numel(self) -> int:
@@ -82,30 +70,6 @@ class GroupBuffers:
         if self.offload is not None:
             return self.offload.empty(numel, dtype, device)
         return torch.empty(numel, dtype=dtype, device=device)
-
-    def _allocate_weights(self, device: torch.device, compute_dtype: torch.dtype, main_dtype: torch.dtype) -> None:
-        place, shard = self.placement, self.layout.shard_numel
-        # Offloaded main weights never share memory with what the device computes with.
-        same = main_dtype == compute_dtype and self.offload is None
-        self.unsharded = FlatBuffer(self.layout.unsharded_numel, compute_dtype, device, name="model weights")
-        self.model_local: torch.Tensor | None = None
-        if self.lowbit is not None:
-            # Gathered from codes made of the main weights: no compute-dtype
-            # shard, and kept weights hold dequantized values, never the main ones.
-            self.main = self._host_or_device(self.main_numel, main_dtype, device)
-            self.main_in_unsharded = False
-            return
-        if self.outer_shard is not None:
-            # The main weights are a piece of the chunks: never the same tensor.
-            self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
-            self.main = self._host_or_device(self.main_numel, main_dtype, device)
-        elif not place.keep_model_weights:
-            self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
-            self.main = self.model_local if same else self._host_or_device(shard, main_dtype, device)
-        else:
-            self.main = self.unsharded.data if same else self._host_or_device(shard, main_dtype, device)
-        # Replicated, S == N and the local layout is the unsharded one.
-        self.main_in_unsharded = place.keep_model_weights and same
 
     def _allocate_grads(self, device: torch.device, main_dtype: torch.dtype) -> None:
         place, shard, full = self.placement, self.layout.shard_numel, self.layout.unsharded_numel
@@ -125,26 +89,11 @@ class GroupBuffers:
             self.main_grad = self.main_grad_buffer.data.zero_()
         self.scratch_grad = FlatBuffer(full, self.reduce_dtype, device, allocated=False, name="scratch")
 
-    # ---- one parameter's part -----------------------------------------------------------
-
-    def main_chunk(self, index: int) -> torch.Tensor:
-        """This rank's chunk of parameter ``index`` in the main weights."""
-        p = self.layout.params[index]
-        if self.main_in_unsharded:
-            return views.unsharded_chunk(self.main, p, self.index)
-        return self.main_view(self.main, index)
-
     def main_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s part of a main-weights-shaped buffer (main weights or main grads)."""
         if self.outer_shard is not None:
             return self.outer_shard.piece_view(flat, index)
         return views.local_chunk(flat, self.layout.params[index], self.index)
-
-    def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
-        """This rank's chunk (HFSDP: piece) of a full-size value of parameter ``index``."""
-        if self.outer_shard is not None:
-            return self.outer_shard.piece_of(full, index, self.index)
-        return views.chunk_of(full, self.layout.params[index], self.index)
 
     def in_place_collective(self, tensor: torch.Tensor, collective) -> None:
         """``collective(tensor)``, in place; an offloaded host tensor goes through the device."""
@@ -152,12 +101,6 @@ class GroupBuffers:
             collective(tensor)
         else:
             staged_on_device(tensor, self.compute_device, collective)
-
-    # ---- accounting ---------------------------------------------------------------------
-
-    @property
-    def gathered_bytes(self) -> int:
-        return self.unsharded.numel * self.unsharded.data.element_size()
 
     def persistent_bytes(self) -> int:
         """Bytes this rank holds in these buffers at the optimizer step: kept
@@ -180,6 +123,95 @@ class GroupBuffers:
                 grads.append(self.grads.data)
         return grads, released
 
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        """The flat gradient tensors whose storage comes and goes."""
+        return [b.data for b in (self.grads, self.main_grad_buffer, self.scratch_grad) if b is not None]
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [self.grads.data, self.main_grad, self.scratch_grad.data] if self.main_grad is not None else []
+
+
+class GroupBuffers(GradientBuffers):
+    """A group's flat buffers, allocated once for its lifetime (the transient
+    ones are ``FlatBuffer``s whose storage comes and goes; the tensors stay)."""
+
+    def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
+                 compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 trainable: bool, offload: HostOffload | None, wire: WireChoice):
+        """``wire``: how the weights and gradients travel (groups/wire_choice.py)."""
+        super().__init__(layout, placement, index=index, device=device, main_dtype=main_dtype,
+                         reduce_dtype=reduce_dtype, trainable=trainable, offload=offload, wire=wire)
+        self._allocate_weights(device, compute_dtype, main_dtype)
+        self.gather_codec = wire.gather_codec(self)
+        """How the weights travel (comm/wire.py; None: replicated, nothing does).
+        A user's FSDP2 AllGather may wrap it."""
+
+    def _allocate_weights(self, device: torch.device, compute_dtype: torch.dtype, main_dtype: torch.dtype) -> None:
+        place, shard = self.placement, self.layout.shard_numel
+        # Offloaded main weights never share memory with what the device computes with.
+        same = main_dtype == compute_dtype and self.offload is None
+        self.unsharded = FlatBuffer(self.layout.unsharded_numel, compute_dtype, device, name="model weights")
+        self.model_local: torch.Tensor | None = None
+        if self.wire.gathers_codes:
+            # Gathered from codes made of the main weights: no compute-dtype
+            # shard, and kept weights hold dequantized values, never the main ones.
+            self.main = self._host_or_device(self.main_numel, main_dtype, device)
+            self.main_in_unsharded = False
+            return
+        if self.outer_shard is not None:
+            # The main weights are a piece of the chunks: never the same tensor.
+            self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
+            self.main = self._host_or_device(self.main_numel, main_dtype, device)
+        elif not place.keep_model_weights:
+            self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
+            self.main = self.model_local if same else self._host_or_device(shard, main_dtype, device)
+        else:
+            self.main = self.unsharded.data if same else self._host_or_device(shard, main_dtype, device)
+        # Replicated, S == N and the local layout is the unsharded one.
+        self.main_in_unsharded = place.keep_model_weights and same
+
+    def refresh_gather_source(self) -> None:
+        """What a plain gather sends, from the main weights (once per optimizer
+        step): ZeRO-3's compute-dtype shard (HFSDP: gathered across the outer
+        dimension), or this rank's chunks of the kept unsharded buffer, cast."""
+        with torch.no_grad():
+            if self.model_local is not None:
+                if self.outer_shard is not None:
+                    self.outer_shard.all_gather(self.main, self.model_local)
+                elif self.model_local is not self.main:
+                    self.model_local.copy_(self.main, non_blocking=self.offload is not None)
+            elif not self.main_in_unsharded:
+                torch._foreach_copy_([views.unsharded_chunk(self.unsharded.data, p, self.index)
+                                      for p in self.layout.params],
+                                     [self.main_chunk(i) for i in range(len(self.layout.params))])
+
+    def refresh_replica(self) -> None:
+        """A replicated group's kept weights from its main weights (when they are two tensors)."""
+        if not self.main_in_unsharded:
+            with torch.no_grad():
+                self.unsharded.data.copy_(self.main)
+
+    # ---- one parameter's part -----------------------------------------------------------
+
+    def main_chunk(self, index: int) -> torch.Tensor:
+        """This rank's chunk of parameter ``index`` in the main weights."""
+        p = self.layout.params[index]
+        if self.main_in_unsharded:
+            return views.unsharded_chunk(self.main, p, self.index)
+        return self.main_view(self.main, index)
+
+    def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's chunk (HFSDP: piece) of a full-size value of parameter ``index``."""
+        if self.outer_shard is not None:
+            return self.outer_shard.piece_of(full, index, self.index)
+        return views.chunk_of(full, self.layout.params[index], self.index)
+
+    # ---- accounting ---------------------------------------------------------------------
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.unsharded.numel * self.unsharded.data.element_size()
+
     def persistent_bytes_by_role(self) -> dict[str, int]:
         """``persistent_bytes`` split by what the bytes are for: "main weights"
         (what the optimizer updates; when the model computes in the same dtype
@@ -189,8 +221,7 @@ class GroupBuffers:
         model = [self.model_local] if self.model_local is not None else []
         if self.placement.keep_model_weights:
             model.append(self.unsharded.data)
-        if self.lowbit is not None:
-            model.append(self.gather_plan.own)  # the step's codes: this rank's row
+        model += self._codec_held()  # e.g. the step's codes: this rank's row
         grads, released = self._persistent_grads()
         seen: dict[int, torch.UntypedStorage] = {}
         main_bytes = _distinct_storage_bytes([self.main], seen)
@@ -201,26 +232,24 @@ class GroupBuffers:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor held between steps (some may alias)."""
         held = [self.main] + ([self.model_local] if self.model_local is not None else [])
-        held += [self.gather_plan.own] if self.lowbit is not None else []
+        held += self._codec_held()
         return held + ([self.main_grad] if self.main_grad is not None else []) + self.flat_buffers()
 
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat tensors whose storage is freed and re-allocated in place
         (gathered weights, unsharded gradients, scratch, released main grads):
         a memory meter must re-read their size, no op announces it."""
-        buffers = [self.unsharded, self.grads, self.main_grad_buffer, self.scratch_grad]
-        return [b.data for b in buffers if b is not None]
+        return [self.unsharded.data] + self._grad_buffers()
 
     def allocated_bytes(self) -> int:
         """Bytes these buffers hold right now, transient ones included."""
-        tensors = [self.unsharded.data, self.main]
-        if self.lowbit is not None:
-            tensors.append(self.gather_plan.own)
+        tensors = [self.unsharded.data, self.main] + self._codec_held()
         if self.model_local is not None:
             tensors.append(self.model_local)
-        if self.main_grad is not None:
-            tensors += [self.grads.data, self.main_grad, self.scratch_grad.data]
-        return _distinct_storage_bytes(tensors)
+        return _distinct_storage_bytes(tensors + self._grad_tensors())
+
+    def _codec_held(self) -> list[torch.Tensor]:
+        return self.gather_codec.held() if self.gather_codec is not None else []
 
 
 def _distinct_storage_bytes(tensors: list[torch.Tensor], seen: dict | None = None) -> int:

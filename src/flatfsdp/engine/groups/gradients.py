@@ -17,16 +17,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flatfsdp.engine.comm import collectives
 from flatfsdp.engine.comm.coalesce import ReduceRequest
-from flatfsdp.engine.groups.buffers import GroupBuffers
+from flatfsdp.engine.groups.buffers import GradientBuffers
 from flatfsdp.engine.groups.slots import ParamSlot, local_grad
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.buffer import FlatBuffer
 
 
 class GroupGradients:
-    def __init__(self, buffers: GroupBuffers, slots: list[ParamSlot], params: list[nn.Parameter],
+    def __init__(self, buffers: GradientBuffers, slots: list[ParamSlot], params: list[nn.Parameter],
                  sharded_params: list[nn.Parameter], grad_dtensors: list[DTensor],
                  bound_optimizers: weakref.WeakSet):
         """``params`` and ``sharded_params`` are the group's own lists (it
@@ -130,7 +129,8 @@ class GroupGradients:
     # ---- reduction ----------------------------------------------------------------------
 
     def reduction_request(self, average: bool, divide_factor: float | None = None, hook=None, *,
-                          all_reduce: bool = True, defer_to_step: bool = False) -> ReduceRequest | None:
+                          all_reduce: bool = True, defer_to_step: bool = False,
+                          sum_only: bool = False) -> ReduceRequest | None:
         """Hand over the accumulated local gradients for reduction into the main
         grads (summing into what the optimizer has not consumed yet, as autograd
         would). The request is issued by the caller, perhaps coalesced.
@@ -153,14 +153,19 @@ class GroupGradients:
             divisor = float(divide_factor)
         else:
             divisor = float(b.placement.dp.average_over) if average else 1.0
+        codec = b.reduce_codec
         if not b.placement.sharded:
-            request = ReduceRequest("all_reduce", accum.data, accum.data, b.pg)
+            request = ReduceRequest("all_reduce", accum.data, accum.data, b.pg, codec)
         else:
             direct = (not has_data and b.main_grad.dtype == b.reduce_dtype and b.outer_shard is None
                       and b.offload is None)
             result = b.main_grad if direct else torch.empty(
                 b.layout.shard_numel, dtype=b.reduce_dtype, device=b.compute_device)
-            request = ReduceRequest("reduce_scatter", accum.data, result, b.pg, lowbit=b.grad_lowbit)
+            # FSDP2's custom collectives average in the collective (ReduceOp.AVG) where it would.
+            average = not sum_only and b.outer_pg is None and codec.averages(divisor, b.pg, b.reduce_dtype)
+            request = ReduceRequest("reduce_scatter", accum.data, result, b.pg, codec, average=average)
+            if average:
+                divisor = 1.0
         outer_now = b.outer_pg is not None and all_reduce and not (defer_to_step and len(self.bound_optimizers))
         if outer_now and not self._outer_due and b.outer_shard is None:
             # Only this backward's sums lack the replicas': the request
@@ -189,7 +194,7 @@ class GroupGradients:
 
     def _all_reduce_over_replicas(self) -> None:
         b = self.buffers
-        b.in_place_collective(b.main_grad, lambda t: collectives.all_reduce(t, b.outer_pg).wait())
+        b.in_place_collective(b.main_grad, lambda t: b.reduce_codec.all_reduce(t, b.outer_pg).wait())
 
     def release_consumed(self) -> None:
         """Free the sharded main grads once the optimizer has set every grad to

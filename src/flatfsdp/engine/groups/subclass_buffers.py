@@ -16,35 +16,29 @@ from typing import Callable
 
 import torch
 
-from flatfsdp.engine.groups.buffers import GroupBuffers, _distinct_storage_bytes
+from flatfsdp.engine.groups.buffers import GradientBuffers, _distinct_storage_bytes
 from flatfsdp.engine.groups.subclass_gather import SubclassGatherPlan, inner_tensors
+from flatfsdp.engine.groups.wire_choice import WireChoice
 from flatfsdp.engine.layout.arithmetic import GroupLayout
 from flatfsdp.engine.layout.placement import GroupPlacement
 
 
-class SubclassBuffers(GroupBuffers):
-    """``GroupBuffers`` without the weight buffers: ``main_chunk`` is the
-    parameter's sharded local tensor, the gathered weights are the plan's outputs."""
+class SubclassBuffers(GradientBuffers):
+    """The gradient buffers every group has; ``main_chunk`` is the parameter's
+    sharded local tensor, the gathered weights are the codec's outputs."""
 
     def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
                  main_dtype: torch.dtype, reduce_dtype: torch.dtype, trainable: bool,
-                 locals_: Callable[[], list[torch.Tensor]], plan: SubclassGatherPlan | None):
-        # Not GroupBuffers.__init__: it would allocate the flat weight buffers.
-        self.layout, self.placement, self.index = layout, placement, index
-        self.pg = placement.mesh.get_group()
-        outer = placement.dp.outer
-        self.outer_pg = outer.get_group() if outer is not None and outer.size() > 1 else None
-        self.compute_device, self.offload = device, None
-        self.reduce_dtype = reduce_dtype
-        self.outer_shard = None
-        self.grad_lowbit = None  # their gradients reduce in reduce_dtype (docs/lowbit.md)
+                 locals_: Callable[[], list[torch.Tensor]], plan: SubclassGatherPlan | None, wire: WireChoice):
+        """``wire``: their gradients reduce in ``reduce_dtype``, never as codes."""
+        super().__init__(layout, placement, index=index, device=device, main_dtype=main_dtype,
+                         reduce_dtype=reduce_dtype, trainable=trainable, offload=None, wire=wire)
         self.main_in_unsharded = False
         self._locals = locals_
-        self.gather_plan = plan
-        self.grads = self.main_grad = self.main_grad_buffer = self.scratch_grad = None
-        self.grads_aliased = False
-        if trainable:
-            self._allocate_grads(device, main_dtype)
+        self.plan = plan
+        """The subclass's own gather (held for accounting)."""
+        self.gather_codec = plan
+        """What travels: the plan, or a user's FSDP2 AllGather around it."""
 
     def main_chunk(self, index: int) -> torch.Tensor:
         """The parameter's sharded local tensor (an instance of its subclass)."""
@@ -54,13 +48,13 @@ class SubclassBuffers(GroupBuffers):
 
     @property
     def gathered_bytes(self) -> int:
-        return self.gather_plan.gathered_bytes() if self.gather_plan is not None else 0
+        return self.plan.gathered_bytes() if self.plan is not None else 0
 
     def _weight_tensors(self) -> list[torch.Tensor]:
         return [t for local in self._locals() for t in inner_tensors(local)]
 
     def _gathered_tensors(self) -> list[torch.Tensor]:
-        return self.gather_plan.held() if self.gather_plan is not None else []
+        return self.plan.gathered_tensors() if self.plan is not None else []
 
     def persistent_bytes_by_role(self) -> dict[str, int]:
         grads, released = self._persistent_grads()
@@ -76,11 +70,7 @@ class SubclassBuffers(GroupBuffers):
         return held + self.flat_buffers()
 
     def flat_buffers(self) -> list[torch.Tensor]:
-        buffers = [b.data for b in (self.grads, self.main_grad_buffer, self.scratch_grad) if b is not None]
-        return buffers + self._gathered_tensors()
+        return self._grad_buffers() + self._gathered_tensors()
 
     def allocated_bytes(self) -> int:
-        tensors = self._weight_tensors() + self._gathered_tensors()
-        if self.main_grad is not None:
-            tensors += [self.grads.data, self.main_grad, self.scratch_grad.data]
-        return _distinct_storage_bytes(tensors)
+        return _distinct_storage_bytes(self._weight_tensors() + self._gathered_tensors() + self._grad_tensors())

@@ -26,11 +26,16 @@ any backend.
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from flatfsdp.engine.comm.collectives import Pending
 from flatfsdp.engine.groups.slots import contiguous_strides
+from flatfsdp.engine.layout.device import SideStream
+from flatfsdp.engine.layout.switches import Transport
 
 BYTE_ALIGN = 16
 """Each input's offset in a rank's row: any dtype can be viewed there."""
@@ -69,18 +74,19 @@ def _alloc(t: torch.Tensor, nbytes: int) -> None:
 
 
 class SubclassGatherPlan:
-    """Gathers one group's protocol parameters as one byte row per rank.
+    """Gathers one group's protocol parameters as one byte row per rank: a
+    gather codec (comm/wire.py) that always travels packed."""
 
-    Duck-types the part of ``comm.gather.GatherPlan`` that coalescing uses
-    (``row_bytes``, ``pack``, ``unpack``, ``every``); it always travels on the
-    packed path (``gathers_in_place`` is False)."""
-
-    gathers_in_place = False
+    travels_alone = False
     dtype = torch.uint8
 
     def __init__(self, *, mesh, world: int, shapes: list[torch.Size], modules: list[nn.Module],
-                 mp_policy, param_dtypes: list[torch.dtype], requires_grad: list[bool], device: torch.device):
+                 mp_policy, param_dtypes: list[torch.dtype], requires_grad: list[bool], device: torch.device,
+                 transport: Transport, locals_: Callable[[], list[torch.Tensor]]):
+        """``locals_()``: the sharded parameters' local tensors, read afresh at
+        each gather (``refresh`` runs their pre-all-gathers)."""
         self.mesh, self.world, self.device = mesh, world, device
+        self.transport, self._locals = transport, locals_
         self.shapes, self.modules, self.mp_policy = shapes, modules, mp_policy
         self.param_dtypes, self.requires_grad = param_dtypes, requires_grad
         self.every = list(range(len(shapes)))
@@ -102,6 +108,25 @@ class SubclassGatherPlan:
     def nbytes(self) -> int:
         """Bytes the gather moves into every rank: what the account counts."""
         return self.world * self.row_bytes
+
+    # ---- the codec's face (comm/wire.py) -------------------------------------------------
+
+    def refresh(self) -> None:
+        """Before every gather: the subclass decides what travels each time."""
+        self.prepare(self._locals())
+
+    def local_result(self) -> Pending | None:
+        return None
+
+    def issue_alone(self, group: dist.ProcessGroup, *, async_op: bool,
+                    stream: SideStream | None) -> Pending | None:
+        return None
+
+    def release(self, keep_rows: bool) -> None:
+        """The outputs' storage is released by ``free`` (kept for FSDP2's keep_unsharded_storage)."""
+
+    def held(self) -> list[torch.Tensor]:
+        return []
 
     # ---- before the collective ------------------------------------------------------------
 
@@ -150,17 +175,17 @@ class SubclassGatherPlan:
 
     # ---- the byte row -------------------------------------------------------------------
 
-    def pack(self, row: torch.Tensor, indices: list[int]) -> None:
+    def pack(self, row: torch.Tensor) -> None:
         """This rank's inputs, as bytes, into its row."""
-        for i in indices:
+        for i in self.every:
             for t, offset in zip(self._inputs[i], self._offsets[i]):
                 row[offset:offset + _nbytes(t)].copy_(t.view(-1).view(torch.uint8))
         self._inputs = []
 
-    def unpack(self, table: torch.Tensor, indices: list[int]) -> None:
+    def unpack(self, table: torch.Tensor) -> None:
         """Every rank's inputs from the gathered (world, row) table into the
         outputs, rank-major; then each parameter's post-all-gather."""
-        for i in indices:
+        for i in self.every:
             for out, size, offset in zip(self._outputs[i], self._sizes[i], self._offsets[i]):
                 nbytes = size.numel() * out.element_size()
                 out.view(torch.uint8).view(self.world, nbytes).copy_(table[:, offset:offset + nbytes])
@@ -189,7 +214,7 @@ class SubclassGatherPlan:
             for t in tensors:
                 _free(t)
 
-    def held(self) -> list[torch.Tensor]:
+    def gathered_tensors(self) -> list[torch.Tensor]:
         """The plain tensors whose storage comes and goes (for memory meters)."""
         return [t for tensors in (*self._outputs, *self._inner) for t in tensors]
 

@@ -29,23 +29,23 @@ from torch.distributed.tensor import DTensor
 
 from flatfsdp.engine.comm.coalesce import GatherRequest
 from flatfsdp.engine.groups.gradients import GroupGradients
-from flatfsdp.engine.groups.slots import ParamSlot, contiguous_strides
+from flatfsdp.engine.groups.group_core import GroupCore
+from flatfsdp.engine.groups.slots import ParamSlot
 from flatfsdp.engine.groups.subclass_buffers import SubclassBuffers
 from flatfsdp.engine.groups.subclass_gather import SubclassGatherPlan
+from flatfsdp.engine.groups.wire_choice import WireChoice
 from flatfsdp.engine.layout.arithmetic import build_group_layout
 from flatfsdp.engine.layout.placement import GroupPlacement
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
+from flatfsdp.engine.layout.switches import Transport
 
 
-class SubclassGroup:
+class SubclassGroup(GroupCore):
     def __init__(self, slots: list[ParamSlot], *, placement: GroupPlacement, policy: MixedPrecisionPolicy,
-                 device: torch.device):
-        self.placement = placement
-        self.index = placement.mesh.get_group().rank() if placement.sharded else 0
+                 device: torch.device, transport: Transport):
+        super().__init__(slots, placement, device)
         original = slots[0].param.dtype
-        self.trainable = slots[0].param.requires_grad and original.is_floating_point
         self.offload = None
-        self.compute_device = device
         # The main weights are the subclass's own: gradients match their dtype.
         self.main_dtype = original
         self.reduce_dtype = policy.reduction_dtype(original)
@@ -53,41 +53,40 @@ class SubclassGroup:
         world = placement.world
         self.layout = build_group_layout([s.local_shape for s in slots], world, [s.shard_dim for s in slots])
         locals_ = [self._local_chunk(s.param.detach(), world) for s in slots]
-        self.plan = None
+        plan = None
         if placement.sharded:
-            self.plan = SubclassGatherPlan(
+            plan = SubclassGatherPlan(
                 mesh=placement.mesh, world=world, shapes=[s.param.shape for s in slots],
                 modules=[s.locations[0][0] for s in slots], mp_policy=_fsdp2_policy(policy),
                 param_dtypes=[param_dtype] * len(slots), requires_grad=[s.param.requires_grad for s in slots],
-                device=device)
+                device=device, transport=transport, locals_=self.sharded_locals)
             # The full-size originals are dropped (an optimizer built on them
             # still finds them, see ``originals``); a meta stand-in records each
             # one's shape and flags.
             self._originals = [weakref.ref(s.param) for s in slots]
             slots = [_with_stand_in(s) for s in slots]
+        self.plan = plan
         self.slots = slots
         self.params: list[nn.Parameter] = [s.param for s in slots]
         """What the module computes with: the rebuilt parameter once gathered
         (a replicated group: the original parameter itself)."""
         self.sharded_params: list[nn.Parameter] = []
         grad_dtensors = []
+        # Their gradients reduce in reduce_dtype, never as codes.
+        wire = WireChoice(transport)
         self.buffers = SubclassBuffers(self.layout, placement, index=self.index, device=device,
                                        main_dtype=self.main_dtype, reduce_dtype=self.reduce_dtype,
-                                       trainable=self.trainable, locals_=self.sharded_locals, plan=self.plan)
+                                       trainable=self.trainable, locals_=self.sharded_locals, plan=plan, wire=wire)
         for index, local in enumerate(locals_):
-            mesh, placements, spec = self._dtensor_spec(index)
+            mesh, placements, spec = self.dtensor_spec(index)
             with torch.no_grad():
                 sharded = DTensor.from_local(local, mesh, placements, **spec)
             self.sharded_params.append(nn.Parameter(sharded, requires_grad=slots[index].param.requires_grad))
             if self.trainable:
                 grad = self.buffers.main_view(self.buffers.main_grad, index)
                 grad_dtensors.append(DTensor.from_local(grad, mesh, placements, **spec))
-        self.bound_optimizers: weakref.WeakSet = weakref.WeakSet()
         self.gradients = GroupGradients(self.buffers, self.slots, self.params, self.sharded_params, grad_dtensors,
                                         self.bound_optimizers)
-        self._written = 0
-        self._synced: tuple | None = None
-        self._unsharded = False
         self._swapped_in = False
 
     def _local_chunk(self, full: torch.Tensor, world: int) -> torch.Tensor:
@@ -100,12 +99,6 @@ class SubclassGroup:
             local = full.new_zeros(chunk.shape)
             local.copy_(chunk)
         return local
-
-    def _dtensor_spec(self, index: int) -> tuple:
-        p, slot = self.layout.params[index], self.slots[index]
-        shape = torch.Size(p.shape)
-        return (self.placement.dtensor_mesh(slot.fqn), self.placement.dtensor_placements(p, None),
-                dict(shape=shape, stride=contiguous_strides(tuple(shape)), run_check=False))
 
     def originals(self) -> list[nn.Parameter]:
         """The parameters as the user built them, where still alive (an
@@ -135,18 +128,6 @@ class SubclassGroup:
 
     # ---- weights ------------------------------------------------------------------------
 
-    @property
-    def is_unsharded(self) -> bool:
-        return self._unsharded
-
-    def note_weights_written(self) -> None:
-        self._written += 1
-
-    def _stamp(self) -> tuple:
-        """Changes whenever the sharded weights may have changed (see ParamGroup._stamp)."""
-        delivered = 0 if len(self.bound_optimizers) else self.gradients.delivered
-        return self._written, sum(p._version for p in self.sharded_params), delivered
-
     def gather_request(self) -> GatherRequest | None:
         """Run the pre-all-gathers and say what to gather (None: nothing to
         communicate -- already gathered, replicated, or the kept copy is current)."""
@@ -155,17 +136,18 @@ class SubclassGroup:
         self._unsharded = True
         if self.plan is None:
             return None
-        if self.placement.keep_model_weights and self._synced is not None and self._synced == self._stamp():
+        if self.placement.keep_model_weights and self.in_sync():
             return None
-        self.plan.prepare(self.sharded_locals())
-        return GatherRequest(self.plan, self.buffers.pg, then=[self._gathered])
+        codec = self.buffers.gather_codec
+        codec.refresh()  # the pre-all-gathers: before every gather
+        return GatherRequest(codec, self.buffers.pg, then=[self._gathered])
 
     def _gathered(self) -> None:
-        self._synced = self._stamp()
+        self.mark_synced()
         for index, param in enumerate(self.plan.unsharded):
             self.params[index] = param
         if self._swapped_in:
-            self._install(self.params)
+            self.install(self.params)
 
     def reshard(self, free_storage: bool = True, keep_codes: bool = False) -> None:
         """``free_storage=False``: FSDP2's ``set_keep_unsharded_storage``.
@@ -180,21 +162,11 @@ class SubclassGroup:
         (``_gathered``); after that they are the same objects every time."""
         self._swapped_in = True
         if self.plan is None or all(p is not None for p in self.plan.unsharded):
-            self._install(self.params)
+            self.install(self.params)
 
     def use_sharded_params(self) -> None:
         self._swapped_in = False
-        self._install(self.sharded_params)
-
-    def _install(self, params: list[nn.Parameter]) -> None:
-        for slot, param, sharded in zip(self.slots, params, self.sharded_params):
-            if param is not sharded and param.requires_grad != sharded.requires_grad:
-                if sharded.requires_grad and not self.trainable:
-                    raise ValueError(f"parameter '{slot.fqn}' was frozen (requires_grad=False) when it was sharded "
-                                     "and has been unfrozen since: set requires_grad before fully_shard")
-                param.requires_grad_(sharded.requires_grad)
-            for module, attr in slot.locations:
-                module._parameters[attr] = param
+        super().use_sharded_params()
 
 
 def _with_stand_in(slot: ParamSlot) -> ParamSlot:

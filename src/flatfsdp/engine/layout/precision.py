@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from flatfsdp.engine.layout.lowbit import LowBitFormat, parse_format
+from flatfsdp.engine.layout.block_formats import BlockFormat, parse_format
 
 
 @dataclass(frozen=True)
@@ -29,25 +29,27 @@ class MixedPrecisionPolicy:
     answer the same on every rank. Inputs are still cast to ``param_dtype``."""
 
     param_gather_dtype: Any = field(default=None, kw_only=True)
-    """Gather weights as block-scaled 8-bit codes: "int8", "fp8" (e4m3) or
-    the torch dtypes; dequantized into ``param_dtype`` where the module
-    reads them. None: gathered in ``param_dtype``. See docs/lowbit.md."""
+    """Gather weights as block-scaled 8-bit codes: a format of
+    layout/block_formats.py ("int8", "fp8" = e4m3, "e5m2") or its torch
+    dtype; dequantized into ``param_dtype`` where the module reads them.
+    None: gathered in ``param_dtype``. See docs/lowbit.md."""
     grad_reduce_dtype: Any = field(default=None, kw_only=True)
-    """Reduce gradients as "int8" block-scaled codes (summed in fp32), or in
-    a float dtype ("bf16" = ``reduce_dtype=torch.bfloat16``). None: ``reduce_dtype``."""
+    """Reduce gradients as block-scaled codes ("int8", "fp8", "e5m2"; summed
+    in fp32), or in a float dtype ("bf16" = ``reduce_dtype=torch.bfloat16``).
+    None: ``reduce_dtype``."""
     lowbit_block: int | None = field(default=None, kw_only=True)
-    """Elements per scale of the 8-bit codes (None: layout.lowbit.DEFAULT_BLOCK)."""
+    """Elements per scale of the 8-bit codes (None: block_formats.DEFAULT_BLOCK)."""
 
     def __post_init__(self) -> None:
         self.gather_format  # validated at construction, named by its keyword
         self.reduce_format
 
     @property
-    def gather_format(self) -> LowBitFormat | None:
+    def gather_format(self) -> BlockFormat | None:
         return parse_format(self.param_gather_dtype, self.lowbit_block)
 
     @property
-    def reduce_format(self) -> LowBitFormat | None:
+    def reduce_format(self) -> BlockFormat | None:
         """The low-bit format gradients travel in (None: ``reduce_dtype``)."""
         if _float_dtype(self.grad_reduce_dtype) is not None or self.grad_reduce_dtype is None:
             return None
@@ -95,12 +97,12 @@ class MixedPrecisionPolicy:
 
 
 def resolve_policy(policy: Any, *, grad_reduce_in_fp32: bool = False,
-                   preserve_fp32_weights: bool = True, lowbit: dict | None = None) -> MixedPrecisionPolicy:
+                   preserve_fp32_weights: bool = True, wire: dict | None = None) -> MixedPrecisionPolicy:
     """Accept ours, torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None.
 
     Megatron-FSDP's flags ``grad_reduce_in_fp32`` and ``preserve_fp32_weights``
     refine a policy that does not say otherwise; so do ``fully_shard``'s
-    ``param_gather_dtype`` / ``grad_reduce_dtype`` / ``lowbit_block`` (``lowbit``).
+    ``param_gather_dtype`` / ``grad_reduce_dtype`` / ``lowbit_block`` (``wire``).
     """
     if policy is None:
         policy = MixedPrecisionPolicy()
@@ -114,7 +116,7 @@ def resolve_policy(policy: Any, *, grad_reduce_in_fp32: bool = False,
                                       cast_forward_inputs=policy.cast_forward_inputs,
                                       # torch 2.15 added it; older policies have none
                                       param_dtype_override_fn=getattr(policy, "param_dtype_override_fn", None))
-    given = {k: v for k, v in (lowbit or {}).items() if v is not None}
+    given = {k: v for k, v in (wire or {}).items() if v is not None}
     for key, value in given.items():
         if getattr(policy, key) is not None and getattr(policy, key) != value:
             raise ValueError(f"{key}={value!r} given both to fully_shard and in the mixed precision policy "

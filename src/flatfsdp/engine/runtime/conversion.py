@@ -22,7 +22,7 @@ def adopt_converted(state, module: nn.Module) -> None:
     state.groups = [_adopt(group, state, module) for group in state.groups]
     for group in state.groups:
         group.use_sharded_params()
-    state.note_init_baseline()  # what conversion wrote is not the user's initialisation
+    state.deferred.note_baseline(state.groups)  # what conversion wrote is not the user's initialisation
 
 
 def _adopt(group: ParamGroup, state, module: nn.Module) -> ParamGroup:
@@ -87,5 +87,5 @@ def _rebuilt(group: ParamGroup, state, dtype: torch.dtype, device: torch.device)
         for m, attr in slot.locations:
             m._parameters[attr] = param
         slots.append(dataclasses.replace(slot, param=param))
-    return ParamGroup(slots, placement=group.placement, policy=state.policy, device=device, fill=False,
-                      offload=group.offload)
+    return ParamGroup(slots, placement=group.placement, policy=state.options.policy, device=device,
+                      transport=state.options.switches.transport, fill=False, offload=group.offload)

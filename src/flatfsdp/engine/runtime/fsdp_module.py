@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from flatfsdp.engine.runtime.conversion import adopt_converted
 from flatfsdp.engine.runtime.torch_fsdp2_view import Fsdp2StateView, file_torch_state
+from flatfsdp.engine.comm.user_comms import check_comm
 from flatfsdp.engine.runtime.unit_state import UnitState
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -87,7 +88,7 @@ class FSDPModule(TorchFSDPModule):
         dropped -- at the first forward it would overwrite the caller's values."""
         result = super().to_empty(device=device, recurse=recurse)
         for state in self._states(recurse):
-            state.pending_init = []
+            state.deferred.drop()
         return result
 
     # ---- gather / release ---------------------------------------------------------------
@@ -239,10 +240,11 @@ class FSDPModule(TorchFSDPModule):
             state.controls.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for FSDP2 scripts; changes nothing here: this engine's
-        reductions always sum and divide afterwards (FSDP2's behaviour with
-        ``True``), so no pre-scaling or averaging op is ever used."""
+        """The engine's own reductions always sum and divide afterwards
+        (FSDP2's behaviour with ``True``); what this changes is the op a user's
+        ``set_custom_reduce_scatter`` is called with: SUM, never AVG."""
         _require_bool("set_force_sum_reduction_for_comms", enable)
+        self._flatfsdp_state.controls.force_sum_reduction = enable
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for FSDP2 scripts; changes nothing here (an allocation
@@ -263,15 +265,17 @@ class FSDPModule(TorchFSDPModule):
         _require_bool("set_separate_reduce_scatter_group", enable)
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        """Not supported: raises rather than silently gathering another way."""
-        raise NotImplementedError(f"unit '{self._flatfsdp_state.path or '<root>'}': set_custom_all_gather is not "
-                                  "supported by flatfsdp (its gathers land in flat per-unit buffers); remove the call")
+        """This unit's gathers run through ``comm`` (FSDP2's ``AllGather``: its
+        ``allocate`` for the output, its call for the collective; comm/user_comms.py)."""
+        check_comm(comm, "all_gather", self._flatfsdp_state.path or "<root>")
+        for group in self._flatfsdp_state.groups:
+            group.use_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Not supported: raises rather than silently reducing another way."""
-        raise NotImplementedError(f"unit '{self._flatfsdp_state.path or '<root>'}': set_custom_reduce_scatter is "
-                                  "not supported by flatfsdp (its reductions run on flat per-unit buffers); remove "
-                                  "the call")
+        """This unit's gradient reduce-scatters run through ``comm`` (FSDP2's ``ReduceScatter``)."""
+        check_comm(comm, "reduce_scatter", self._flatfsdp_state.path or "<root>")
+        for group in self._flatfsdp_state.groups:
+            group.use_custom_reduce_scatter(comm)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many gradient reductions may be in flight at once (each holds an
@@ -296,7 +300,7 @@ class FSDPModule(TorchFSDPModule):
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for state in self._states(recurse):
-            state.reshard_after_forward = reshard_after_forward
+            state.controls.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False keeps the weights gathered after backward (gradient
@@ -367,9 +371,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        args, kwargs = state._pre_forward(module, args, kwargs)
+        args, kwargs = state.pre_forward(module, args, kwargs)
         out = method(*args, **kwargs)
-        return state._post_forward(module, args, kwargs, out)
+        return state.post_forward(module, args, kwargs, out)
 
     wrapped._flatfsdp_wrapped = True
     # The instance attribute shadows the class's method for this module only,

@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 from functools import lru_cache
 
 
 @lru_cache(maxsize=None)
 def _malloc_trim():
-    if os.environ.get("FLATFSDP_MALLOC_TRIM", "0") != "1":
-        return None
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
@@ -38,9 +35,10 @@ def _malloc_trim():
         return None
 
 
-def release_free_host_memory() -> bool:
-    """Return free heap pages to the OS; False where that is not possible."""
-    trim = _malloc_trim()
+def release_free_host_memory(enabled: bool) -> bool:
+    """Return free heap pages to the OS if ``enabled`` (FLATFSDP_MALLOC_TRIM=1,
+    read once: layout/switches.py); False where that is not done."""
+    trim = _malloc_trim() if enabled else None
     if trim is None:
         return False
     trim(0)

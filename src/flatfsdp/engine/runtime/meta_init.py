@@ -97,7 +97,7 @@ def _require_plain(state) -> None:
     """flatfsdp initialises a meta parameter by running its module's
     reset_parameters() on a full copy; a tensor-parallel one has no full copy
     on any rank, so it must be filled by the user instead."""
-    was_meta = {id(real) for real in state.meta_originals}
+    was_meta = {id(real) for real in state.deferred.meta_originals}
     for group in state.groups:
         for slot in group.slots:
             if slot.tp is not None and id(slot.param) in was_meta:
@@ -112,9 +112,11 @@ def awaiting_init(state) -> set[int]:
     """ids of the unit's parameters that still wait for their deferred
     initialisation: built on the meta device, and since neither replaced nor
     written (loaded) by the user."""
-    if not state.pending_init:
+    if not state.deferred.pending:
         return set()
-    return {id(real) for real in state.meta_originals} - state.user_valued - state.written_since_sharding()
+    deferred = state.deferred
+    return {id(real) for real in deferred.meta_originals} - deferred.user_valued - deferred.written_since_sharding(
+        state.groups)
 
 
 def initialize_pending(state) -> None:
@@ -123,19 +125,19 @@ def initialize_pending(state) -> None:
     # Only parameters that were on the meta device take the new values: a real
     # parameter in the same unit (a pretrained embedding put into a meta-built
     # model) keeps the values it was given, even when its module was reset;
-    # so does one the user replaced (state.user_valued) or wrote in place
+    # so does one the user replaced (state.deferred.user_valued) or wrote in place
     # after sharding, e.g. to_empty on an unsharded parent then nn.init.
     was_meta = awaiting_init(state)
     owners = {id(module) for group in state.groups for slot in group.slots if id(slot.param) in was_meta
               for module, _ in slot.locations}
-    pending = [entry for entry in state.pending_init if id(entry[2]) in owners]
+    pending = [entry for entry in state.deferred.pending if id(entry[2]) in owners]
     if not pending:
-        state.pending_init = []
+        state.deferred.drop()
         return
     for index, path, module in pending:  # before any change: a failed check leaves the unit as it was
         _require_reset(module, _model_name(state.paths[index], path))
     _require_plain(state)
-    state.pending_init = []
+    state.deferred.drop()
     temps, saved = [], []
     for group in state.groups:
         main = group.buffers.main
@@ -147,7 +149,7 @@ def initialize_pending(state) -> None:
         temps.append(temp)
     with torch.no_grad():
         for index, path, module in pending:
-            seeded_reset(module, state.init_seed, _model_name(state.paths[index], path))
+            seeded_reset(module, state.deferred.seed, _model_name(state.paths[index], path))
         for group, temp, old in zip(state.groups, temps, saved):
             for index, (p, param) in enumerate(zip(group.layout.params, group.params)):
                 if id(param) in was_meta:
@@ -171,13 +173,14 @@ def mark_initialized(model: nn.Module) -> nn.Module:
     states = list({id(s): s for s in (getattr(m, "_flatfsdp_state", None) for m in model.modules())
                    if s is not None}.values())
     unfilled = [_model_name(_model_name(state.paths[index], path), name) for state in states
-                for index, path, module in state.pending_init for name in sorted(module._non_persistent_buffers_set)]
+                for index, path, module in state.deferred.pending
+                for name in sorted(module._non_persistent_buffers_set)]
     if unfilled:
         raise ValueError(f"non-persistent buffers {', '.join(unfilled)} were built on the meta device and only "
                          "initialisation computes them: build them on a real device (only parameters need the "
                          "meta device)")
     for state in states:
-        state.pending_init = []
+        state.deferred.drop()
         for group in state.groups:
             group.note_weights_written()
     return model

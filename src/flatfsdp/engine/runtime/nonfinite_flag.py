@@ -33,7 +33,6 @@ Steps are counted as backward passes since the model was sharded.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -42,8 +41,10 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
-MODES = ("warn", "error", "off")
-MODE_ENV = "FLATFSDP_ON_NONFINITE"
+from flatfsdp.engine.layout.switches import NONFINITE_ENV, NONFINITE_MODES
+
+MODES = NONFINITE_MODES
+MODE_ENV = NONFINITE_ENV
 MAX_NAMES = 5
 """Parameters named in a report: the first few in model order say where it started."""
 
@@ -80,8 +81,10 @@ class NonFiniteError(FloatingPointError):
         super().__init__(report.describe(step))
 
 
-def resolve_mode(chosen: str | None) -> str:
-    mode = chosen if chosen is not None else os.environ.get(MODE_ENV, "warn")
+def resolve_mode(chosen: str | None, default: str = "warn") -> str:
+    """``chosen`` (``set_on_nonfinite``), else ``default`` (FLATFSDP_ON_NONFINITE,
+    read once: layout/switches.py)."""
+    mode = chosen if chosen is not None else default
     if mode not in MODES:
         source = "on_nonfinite" if chosen is not None else MODE_ENV
         raise ValueError(f"{source}={mode!r}: expected one of {', '.join(MODES)}")

@@ -38,7 +38,7 @@ def adopt_replaced_params(state) -> set[int]:
                     # the plain one is caught as stale (stale_optimizers).
                     sharded.requires_grad_(current.requires_grad)
                     name = f"{state.path}.{slot.fqn}" if state.path else slot.fqn
-                    state.orphaned[id(current)] = (current, name)
+                    state.deferred.orphaned[id(current)] = (current, name)
                 for holder, holder_attr in slot.locations:
                     holder._parameters[holder_attr] = sharded
                 adopted.add(id(slot.param))

@@ -15,8 +15,9 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
 from flatfsdp.engine.comm.coalesce import ReduceRequest
-from flatfsdp.engine.comm.schedule_check import ScheduleCheck, schedule_check_enabled
+from flatfsdp.engine.comm.schedule_check import ScheduleCheck
 from flatfsdp.engine.layout.device import SideStream
+from flatfsdp.engine.layout.options import ShardOptions
 from flatfsdp.engine.runtime.host_memory import release_free_host_memory
 from flatfsdp.engine.runtime.nonfinite_flag import NonFiniteWatch, resolve_mode
 from flatfsdp.engine.comm.reduction_queue import ReductionQueue
@@ -34,16 +35,15 @@ class ScheduledUnit(Protocol):
     path: str
     controls: UnitControls
     training_state: TrainingState
-    sync_each_microbatch: bool
-    prefetch_bytes: int | None
-    bucket_bytes: int
+    options: ShardOptions
     gathered_bytes: int
-    _forwarded: set
+    forward_in_progress: bool
 
     def needs_post_backward(self) -> bool: ...
     def post_backward(self, *, defer_reduction: bool = False) -> None: ...
     def reduce_accumulated(self) -> None: ...
     def finish_forward(self, context: "RootContext") -> None: ...
+    def forget_forward(self) -> None: ...
     def reshard(self) -> None: ...
 
 MAX_REDUCTIONS_IN_FLIGHT = 2
@@ -58,14 +58,17 @@ class RootContext:
         self.in_backward = False
         self.training_forward = False
         self.root_forward_running = False
-        self.sync_each_microbatch = root.sync_each_microbatch
-        self.prefetch_bytes = root.prefetch_bytes
+        options = root.options
+        self.sync_each_microbatch = options.sync_each_microbatch
+        self.prefetch_bytes = options.prefetch_bytes
+        self.switches = options.switches
+        """The FLATFSDP_* environment as the root's fully_shard read it (layout/switches.py)."""
         device = _device_of(states)
         self._on_host = device.type == "cpu"
         # Two streams so a gradient reduction never queues behind a prefetch.
         self.gather_stream = SideStream(device)
         in_flight = max([MAX_REDUCTIONS_IN_FLIGHT] + [s.controls.reduce_scatter_max_input_buffers for s in states])
-        self.reductions = ReductionQueue(bucket_bytes=root.bucket_bytes, max_in_flight=in_flight,
+        self.reductions = ReductionQueue(bucket_bytes=options.bucket_bytes, max_in_flight=in_flight,
                                          stream=SideStream(device))
         # Units in the order their forwards ran: this step's (for backward
         # prefetch) and the last complete step's (for forward prefetch).
@@ -77,8 +80,8 @@ class RootContext:
         self.reduction_pending = False
         """``finalize_backward(async_op=True)`` returned a handle not yet waited on."""
         self.nonfinite = NonFiniteWatch()  # Note [the non-finite flag]
-        self._nonfinite_mode = resolve_mode(root.controls.on_nonfinite)
-        self.schedule = ScheduleCheck(schedule_check_enabled())  # FLATFSDP_CHECK_SCHEDULE=1
+        self._nonfinite_mode = resolve_mode(root.controls.on_nonfinite, self.switches.on_nonfinite)
+        self.schedule = ScheduleCheck(self.switches.check_schedule)  # FLATFSDP_CHECK_SCHEDULE=1
         self._device = device
         self._schedule_checked = 0
 
@@ -162,7 +165,7 @@ class RootContext:
         not run finish now; without a backward to follow, release everything."""
         self.root_forward_running = False
         for state in self.states:
-            if state._forwarded:
+            if state.forward_in_progress:
                 state.finish_forward(self)
         if not self.training_forward:
             self.reshard_all()  # no backward will: release prefetched units
@@ -174,7 +177,7 @@ class RootContext:
         self.manual_finalization_active = None
         self.reduction_pending = False
         for state in self.states:
-            state._forwarded.clear()
+            state.forget_forward()
             state.reshard()
             state.training_state = TrainingState.IDLE
 
@@ -193,7 +196,7 @@ class RootContext:
             on_host = world is None or dist.get_backend(world) == "gloo"
             self.schedule.check(world, self.nonfinite.backwards, torch.device("cpu") if on_host else self._device)
         # Read once per step (the option or FLATFSDP_ON_NONFINITE), not per reduction.
-        self._nonfinite_mode = resolve_mode(self.root.controls.on_nonfinite)
+        self._nonfinite_mode = resolve_mode(self.root.controls.on_nonfinite, self.switches.on_nonfinite)
         # Before release_consumed: a flagged group's main grads are still there to be named.
         self.nonfinite.check(self._nonfinite_mode, self._parameter_names,
                              dist.group.WORLD if dist.is_initialized() else None)
@@ -201,7 +204,7 @@ class RootContext:
             for group in state.groups:
                 group.gradients.release_consumed()
         if self._on_host:
-            release_free_host_memory()
+            release_free_host_memory(self.switches.malloc_trim)
 
     def _parameter_names(self) -> dict:
         return {id(p): name for name, p in self.root.module.named_parameters()}

@@ -28,7 +28,7 @@ def _replaced_parameters(states: list) -> dict[int, str]:
     sharding replaced (and every plain one the user assigned after sharding)."""
     names: dict[int, str] = {}
     for state in states:
-        meta_of = {id(real): meta for real, meta in state.meta_originals.items()}
+        meta_of = state.deferred.meta_of()
         for group in state.groups:
             if not group.trainable:
                 continue
@@ -40,7 +40,7 @@ def _replaced_parameters(states: list) -> dict[int, str]:
         names.update({key: f"'{name}' (a plain tensor assigned after fully_shard: its value was taken into the "
                            "sharded parameter; assign a DTensor placed like it to keep your object, or build the "
                            "optimizer after the first forward)"
-                      for key, (_, name) in state.orphaned.items()})
+                      for key, (_, name) in state.deferred.orphaned.items()})
     return names
 
 

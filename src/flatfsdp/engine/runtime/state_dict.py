@@ -46,7 +46,7 @@ def _keys(slot, index: int) -> list[str]:
 
 def _before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     state = module._flatfsdp_state
-    if not state.pending_init:
+    if not state.deferred.pending:
         state.ensure_initialized()
 
 
@@ -75,7 +75,7 @@ def _to_local_placements(module: nn.Module, state_dict: dict, prefix: str, local
     """Turn each incoming value into a DTensor placed like the parameter, so
     torch's own copy (and its key and shape checks) does the rest."""
     state = module._flatfsdp_state
-    if not state.pending_init:
+    if not state.deferred.pending:
         state.ensure_initialized()
     for group in state.groups:
         for position, (slot, sharded) in enumerate(zip(group.slots, group.sharded_params)):
@@ -83,7 +83,7 @@ def _to_local_placements(module: nn.Module, state_dict: dict, prefix: str, local
                 value = state_dict[key]
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
                     state_dict[key] = placed_like(value, sharded, group, position)
-                    state.user_valued.add(id(slot.param))  # loaded: its deferred initialisation must not run
+                    state.deferred.user_valued.add(id(slot.param))  # loaded: its deferred initialisation must not run
                 # else: torch reports the mismatch
 
 
@@ -114,6 +114,6 @@ def _note_loaded(module: nn.Module, incompatible_keys) -> None:
     loaded DTensors in the parameters' places: those become the sharded
     parameters now (an optimizer built next must get the trained objects)."""
     state = module._flatfsdp_state
-    state.user_valued |= adopt_replaced_params(state)
+    state.deferred.user_valued |= adopt_replaced_params(state)
     for group in state.groups:
         group.note_weights_written()

@@ -34,23 +34,20 @@ class Fsdp2StateView:
         self._state = state
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return self._state._pre_forward(module, args, kwargs)
+        return self._state.pre_forward(module, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        return self._state._post_forward(module, args, {}, output)
+        return self._state.post_forward(module, args, {}, output)
 
     def _lazy_init(self) -> None:
         """Find the root and set up its schedule now rather than at the first forward."""
-        self._state._lazy_init()
+        self._state.lazy_init()
 
     @property
     def _modules_to_run_forward(self) -> set[nn.Module]:
         """A grouped unit's modules that have not run forward yet in this
         root forward; empty for a single-module unit, as in FSDP2."""
-        modules = self._state.modules
-        if len(modules) == 1 or not self._state._forwarded:
-            return set()
-        return {m for m in modules if id(m) not in self._state._forwarded}
+        return self._state.modules_yet_to_forward()
 
     @property
     def _is_root(self) -> bool | None:
@@ -103,7 +100,7 @@ class _UnitFlush:
     @property
     def is_unsharded(self) -> bool:
         """Whether the unit's modules compute with gathered weights right now."""
-        return self._state._swapped_in
+        return self._state.is_gathered
 
     def post_backward(self) -> None:
         state = self._state

@@ -9,6 +9,9 @@ from typing import Any, Callable
 
 @dataclass
 class UnitControls:
+    reshard_after_forward: bool | None = None
+    """Release the weights after the unit's forward: True, False, or None (all
+    but the root and the unit that ran last in the previous step)."""
     reshard_after_backward: bool = True
     """False: keep the weights gathered after the unit's backward (gradient
     accumulation trades memory for one all-gather per microbatch)."""
@@ -29,6 +32,8 @@ class UnitControls:
     """Parameters without a gradient on this rank are reduced as zeros, so all
     ranks deliver a gradient for every parameter of the unit (ranks that use
     different parameters must set it, or their optimizers step different sets)."""
+    force_sum_reduction: bool = False
+    """A user's ReduceScatter is called with SUM, never AVG (the engine divides)."""
     requires_all_reduce: bool = True
     """Hybrid meshes: all-reduce across replicas (a 1-D mesh has none)."""
     reduce_scatter_max_input_buffers: int = 1

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from flatfsdp.engine.comm import coalesce
-from flatfsdp.engine.comm.coalesce import DEFAULT_BUCKET_BYTES
 from flatfsdp.engine.groups.param_group import ParamGroup
+from flatfsdp.engine.layout.options import ShardOptions
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
+from flatfsdp.engine.runtime.deferred_init import DeferredInit
+from flatfsdp.engine.runtime.gather_units import gather_units
 from flatfsdp.engine.runtime.root_context import RootContext
 from flatfsdp.engine.runtime.structures import map_tensors, replace_tensors, tensors_in
 from flatfsdp.engine.runtime.unit_controls import UnitControls
@@ -33,43 +34,23 @@ class UnitState:
     (``fully_shard([norm, head])``): one set of param groups, gathered when the
     first of them runs and released when the last of them is done."""
 
-    def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], *, policy: MixedPrecisionPolicy,
-                 reshard_after_forward: bool | None, average_grads: bool, sync_each_microbatch: bool,
-                 prefetch_bytes: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], options: ShardOptions,
+                 deferred: DeferredInit | None = None):
         self._modules = [weakref.ref(m) for m in modules]
         self.groups = groups
-        self.policy = policy
-        self.reshard_after_forward = reshard_after_forward
-        self.average_grads = average_grads
-        self.sync_each_microbatch = sync_each_microbatch
-        self.prefetch_bytes = prefetch_bytes
-        self.bucket_bytes = bucket_bytes
+        self.options = options
+        """How the unit was sharded (fixed); what may change at run time is in ``controls``."""
         self.requires_grad_sync = True
-        self.controls = UnitControls()
+        self.controls = UnitControls(reshard_after_forward=options.reshard_after_forward)
         self.training_state = TrainingState.IDLE
         self.context: RootContext | None = None
-        self._swapped_in = False
-        self._gathers: list = []
-        self.pending_init: list = []
-        self.deferred_errors: list[Exception] = []
-        self.deferred_params: set[int] = set()
-        """Found while sharding, raised at the first forward (see shard_unit)."""
-        self.meta_originals: dict = {}
-        """Real parameter -> the meta-device parameter it replaced (an optimizer
-        built on the meta model still holds the old objects)."""
-        self.init_seed = 0
-        self.user_valued: set[int] = set()
-        """ids of original parameters whose values the user gave after sharding
-        (a replaced parameter): deferred initialisation leaves them alone."""
-        self._first_use_seen = False
-        self._init_baseline: dict[int, int] = {}
-        """id(sharded parameter) -> its version when deferred initialisation was
-        set up: a parameter written since (through its DTensor) has the user's values."""
-        self.orphaned: dict[int, tuple] = {}
-        """id -> (plain parameter the user assigned after sharding, its name):
-        its value was taken, the object itself is not trained (see replaced_params)."""
+        self.deferred = deferred if deferred is not None else DeferredInit(pending=[], meta_originals={}, seed=0,
+                                                                           conflicts=[])
+        """What is owed between sharding and the first use (deferred_init)."""
         self.paths = [""] * len(modules)
         """Each module's name in the model the outermost fully_shard call sharded."""
+        self._swapped_in = False
+        self._gathers: list = []
         self._forwarded: set[int] = set()
         """Modules of a grouped unit whose forward ran in the current root forward."""
         # Under torch.compile(model) the hooks run eagerly, at graph breaks:
@@ -77,9 +58,13 @@ class UnitState:
         # stale-optimizer check), none of which a graph can hold; the module's
         # own computation between them is still compiled.
         for module in modules:
-            module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward), prepend=True,
+            module.register_forward_pre_hook(torch.compiler.disable(self.pre_forward), prepend=True,
                                              with_kwargs=True)
-            module.register_forward_hook(torch.compiler.disable(self._post_forward), with_kwargs=True)
+            module.register_forward_hook(torch.compiler.disable(self.post_forward), with_kwargs=True)
+
+    @property
+    def policy(self) -> MixedPrecisionPolicy:
+        return self.options.policy
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -116,27 +101,29 @@ class UnitState:
         sharding (see replaced_params), then run a meta-device unit's deferred
         initialisation (see meta_init) for the parameters still awaiting it."""
         self.adopt_replaced_params()
-        if self.pending_init:
+        if self.deferred.pending:
             from flatfsdp.engine.runtime.meta_init import initialize_pending
             initialize_pending(self)
 
-    def note_init_baseline(self) -> None:
-        """Remember the sharded parameters' versions while initialisation is deferred."""
-        if self.pending_init:
-            self._init_baseline = {id(p): p._version for g in self.groups for p in g.sharded_params}
-
-    def written_since_sharding(self) -> set[int]:
-        """ids of original parameters the user wrote through their sharded
-        DTensor (e.g. ``nn.init``) after sharding, before the first use."""
-        return {id(slot.param) for g in self.groups for slot, p in zip(g.slots, g.sharded_params)
-                if id(p) in self._init_baseline and p._version != self._init_baseline[id(p)]}
-
     def adopt_replaced_params(self) -> None:
         """Once, at the unit's first use: take the parameters the user replaced since sharding."""
-        if not self._first_use_seen:
+        if not self.deferred.first_use_seen:
             from flatfsdp.engine.runtime.replaced_params import adopt_replaced_params
-            self.user_valued |= adopt_replaced_params(self)
-            self._first_use_seen = True
+            self.deferred.user_valued |= adopt_replaced_params(self)
+            self.deferred.first_use_seen = True
+
+    @property
+    def is_gathered(self) -> bool:
+        """The module holds the gathered parameters (or they are on their way)."""
+        return self._swapped_in
+
+    def await_gathers(self, pendings: list) -> None:
+        """These gathers bring this unit's weights: the gathered views go in
+        now, ``wait_unshard`` waits for them."""
+        self._gathers = pendings
+        for group in self.groups:
+            group.use_unsharded_params()
+        self._swapped_in = True
 
     def wait_unshard(self) -> None:
         gathers, self._gathers = self._gathers, []
@@ -175,8 +162,8 @@ class UnitState:
         """Profiler label of one phase of this unit (listed in docs/overlap.md)."""
         return f"flatfsdp::{phase} ({self.path or '<root>'})"
 
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        context = self._lazy_init()
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        context = self.lazy_init()
         with record_function(self.label("pre_forward")):
             # (A grouped root begins its forward once, with its first module.)
             starts = len(self._modules) == 1 or not context.root_forward_running
@@ -200,7 +187,7 @@ class UnitState:
                 args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
         return args, kwargs
 
-    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         context = self.context
         grad = torch.is_grad_enabled()
         with record_function(self.label("post_forward")):
@@ -224,6 +211,22 @@ class UnitState:
             return False
         return len(self._forwarded) < len(self._modules)
 
+    @property
+    def forward_in_progress(self) -> bool:
+        """Some of a grouped unit's modules ran their forward, the unit has not finished it."""
+        return bool(self._forwarded)
+
+    def modules_yet_to_forward(self) -> set[nn.Module]:
+        """A grouped unit's modules that have not run forward yet in this root
+        forward; empty for a single-module unit or outside a forward (as FSDP2)."""
+        modules = self.modules
+        if len(modules) == 1 or not self._forwarded:
+            return set()
+        return {m for m in modules if id(m) not in self._forwarded}
+
+    def forget_forward(self) -> None:
+        self._forwarded.clear()
+
     def finish_forward(self, context: RootContext) -> None:
         """The unit's forward is over: release its weights unless kept."""
         self._forwarded.clear()
@@ -236,11 +239,12 @@ class UnitState:
         needed throughout); so, unless told otherwise, does the unit that ran
         last in the previous step's forward: its backward comes first, so
         releasing it would only gather it again at once."""
-        if self.reshard_after_forward is False:
+        reshard = self.controls.reshard_after_forward
+        if reshard is False:
             return True
         if self.is_root:
-            return self.reshard_after_forward is not True
-        return self.reshard_after_forward is None and context.is_last_in_forward(self)
+            return reshard is not True
+        return reshard is None and context.is_last_in_forward(self)
 
     # ---- backward -----------------------------------------------------------------------
 
@@ -276,17 +280,18 @@ class UnitState:
             return
         controls = self.controls
         for group in self.groups:
-            request = group.gradients.reduction_request(self.average_grads, controls.gradient_divide_factor,
-                                                        controls.all_reduce_hook,
+            request = group.gradients.reduction_request(self.options.average_grads,
+                                                        controls.gradient_divide_factor, controls.all_reduce_hook,
                                                         all_reduce=controls.requires_all_reduce,
-                                                        defer_to_step=not self.sync_each_microbatch)
+                                                        defer_to_step=not self.options.sync_each_microbatch,
+                                                        sum_only=controls.force_sum_reduction)
             if request is not None:
                 request.unit = self.path or "<root>"
                 self.context.submit_reduction(request, group)
 
     # ---- root discovery -----------------------------------------------------------------
 
-    def _lazy_init(self) -> RootContext:
+    def lazy_init(self) -> RootContext:
         if self.context is not None:
             return self.context
         from flatfsdp.engine.runtime.tied_params import check_params_stay_in_units
@@ -295,8 +300,8 @@ class UnitState:
 
         states = unit_states(*self.modules)
         for state in states:
-            if state.deferred_errors:
-                raise state.deferred_errors[0]
+            if state.deferred.errors:
+                raise state.deferred.errors[0]
         for state in states:
             state.adopt_replaced_params()
         for module in self.modules:
@@ -325,39 +330,6 @@ def unit_states(*modules: nn.Module) -> list[UnitState]:
             if state is not None:
                 found.setdefault(id(state), state)
     return list(found.values())
-
-
-def gather_units(states: list[UnitState], async_op: bool) -> None:
-    """Start gathering the groups of every unit not yet gathered, small ones
-    coalesced into shared collectives, and swap the gathered views in."""
-    todo = [s for s in states if not s._swapped_in]
-    if not todo:
-        return
-    requests, owners = [], []
-    with record_function(f"flatfsdp::unshard ({', '.join(s.path or '<root>' for s in todo)})"):
-        for state in todo:
-            state.ensure_initialized()
-            for group in state.groups:
-                request = group.gather_request()
-                if request is not None:
-                    requests.append(request)
-                    owners.append(state)
-        context = todo[0].context
-        for state in todo:
-            event, state.controls.post_optim_event = state.controls.post_optim_event, None
-            if context is not None:
-                context.gather_stream.wait_for(event)
-        pendings = coalesce.gather(requests, async_op=async_op, bucket_bytes=todo[0].bucket_bytes,
-                                   stream=context.gather_stream if context is not None else None)
-        phase = "backward gather" if context is not None and context.in_backward else "forward gather"
-        for pending, owner in zip(pendings, owners):
-            if not pending.label.startswith("unit"):  # bucket members share one Pending: name the first
-                pending.label = f"unit '{owner.path or '<root>'}': {phase} {pending.label}"
-        for state in todo:
-            state._gathers = [p for p, owner in zip(pendings, owners) if owner is state]
-            for group in state.groups:
-                group.use_unsharded_params()
-            state._swapped_in = True
 
 
 class _PostBackward(torch.autograd.Function):

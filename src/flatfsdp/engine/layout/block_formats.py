@@ -8,11 +8,15 @@ row may be shorter, and only when no equal width divides the row). A row of
 384 with ``block=256`` is two blocks of 192, not 256 + 128: a weight's codes
 are then one contiguous (rows * blocks, width) array, processed in single
 passes instead of a strided pass per part. Each block gets one fp32
-scale, ``amax / qmax``, and each element one byte:
+scale, ``amax / qmax``, and each element one byte, as its format says:
 
-* ``int8``: ``round(x / scale)`` clamped to [-127, 127] (round half to even);
-* ``fp8``: ``x / scale`` rounded to float8 e4m3 (max 448), stored as its byte.
+* ``int8``: ``round(x / scale)`` in [-127, 127] (round half to even);
+* ``fp8``: ``x / scale`` rounded to float8 e4m3 (max 448), stored as its byte;
+* ``e5m2``: ``x / scale`` rounded to float8 e5m2 (max 57344): two mantissa
+  bits for five exponent bits, a coarser grid over a far wider range.
 
+A format is one ``BlockFormat`` subclass (its byte encoding and exact
+decoding) plus its line in ``BLOCK_FORMATS``; nothing else names formats.
 Codes travel as ``uint8`` whatever the format, so every backend carries them
 (gloo has no float8 type). Dequantizing is ``float32(code) * scale``, rounded
 once into the destination's dtype. Everything here is elementwise or a
@@ -29,6 +33,7 @@ HFSDP piece's codes are the same bytes as its rows' codes in the chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -37,27 +42,24 @@ DEFAULT_BLOCK = 256
 bytes per 256 codes is 1.6% on top of the codes, and the relative error of
 int8 weights is 0.4% (block 64: 0.35% for 6% more bytes; 1024: 0.5%)."""
 
-_FP8 = torch.float8_e4m3fn
-_QMAX = {"int8": 127.0, "fp8": 448.0}
-
 
 @dataclass(frozen=True)
-class LowBitFormat:
-    """An 8-bit format and its block size."""
+class BlockFormat:
+    """A block-scaled 8-bit format and its block size."""
 
-    kind: str
-    """"int8" or "fp8" (float8 e4m3)."""
     block: int = DEFAULT_BLOCK
+    name: ClassVar[str]
+    qmax: ClassVar[float]
+    """The largest code magnitude: a block's amax maps to it."""
+    half_step: ClassVar[float]
+    """Half the grid step at ``qmax``, in units of the scale: the largest
+    rounding error of one element (``error_bound``)."""
+    decode_factor: ClassVar[float] = 1.0
+    """``decode`` yields the values divided by this (exactly: a power of two)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in _QMAX:
-            raise ValueError(f"low-bit format {self.kind!r}: expected 'int8' or 'fp8'")
         if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 1:
             raise ValueError(f"low-bit block size must be a positive number of elements, got {self.block!r}")
-
-    @property
-    def qmax(self) -> float:
-        return _QMAX[self.kind]
 
     def blocks(self, n: int) -> int:
         """Scales per row of ``n`` elements."""
@@ -71,19 +73,88 @@ class LowBitFormat:
         """Bytes of one row of ``n`` elements on the wire: codes and scales."""
         return n + 4 * self.blocks(n)
 
+    def encode(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        """``scaled`` (``x / scale``, within [-qmax, qmax] up to rounding; may
+        be overwritten) as codes into the uint8 tensor ``out``."""
+        raise NotImplementedError
 
-def parse_format(value, block: int | None = None, *, what: str = "param_gather_dtype") -> LowBitFormat | None:
-    """``"int8"``, ``"fp8"`` (or ``"float8_e4m3fn"``), ``torch.int8``,
-    ``torch.float8_e4m3fn``; None: no low-bit format."""
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """The uint8 ``codes`` as exact values divided by ``decode_factor``
+        (a tensor any float destination can copy from)."""
+        raise NotImplementedError
+
+
+class Int8Blocks(BlockFormat):
+    name, qmax, half_step = "int8", 127.0, 0.5
+
+    def encode(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        # |x| <= amax, so |x / scale| exceeds 127 by float rounding at most,
+        # and rounds to 127: no clamp pass needed.
+        out.view(torch.int8).copy_(scaled.round_())
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.view(torch.int8)
+
+
+class Fp8E4M3Blocks(BlockFormat):
+    # 448 = 1.75 * 2**8 with 3 mantissa bits: the top binade's step is 32.
+    name, qmax, half_step, decode_factor = "fp8", 448.0, 16.0, 256.0
+
+    def encode(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        out.view(torch.float8_e4m3fn).copy_(scaled.clamp_(-self.qmax, self.qmax))
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """e4m3 bytes as fp16 values 2**-8 times theirs (exact, subnormals
+        included): the byte's exponent and mantissa bits moved into fp16's
+        places. torch's own float8 -> float conversion runs 4x slower on CPU."""
+        wide = codes.to(torch.int16)
+        sign = torch.bitwise_and(wide, 0x80).bitwise_left_shift_(8)
+        return wide.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
+
+
+class Fp8E5M2Blocks(BlockFormat):
+    # 57344 = 1.75 * 2**15 with 2 mantissa bits: the top binade's step is 8192.
+    name, qmax, half_step = "e5m2", 57344.0, 4096.0
+
+    def encode(self, scaled: torch.Tensor, out: torch.Tensor) -> None:
+        out.view(torch.float8_e5m2).copy_(scaled.clamp_(-self.qmax, self.qmax))
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """An e5m2 byte is the top byte of the fp16 of the same value (same
+        exponent bias, mantissa cut to two bits): shifted up, exact."""
+        return codes.to(torch.int16).bitwise_left_shift_(8).view(torch.float16)
+
+
+BLOCK_FORMATS: dict[str, type[BlockFormat]] = {
+    "int8": Int8Blocks,
+    "fp8": Fp8E4M3Blocks,
+    "e5m2": Fp8E5M2Blocks,
+}
+"""Every block-scaled format, by the name the keywords take."""
+
+_ALIASES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8",
+            "fp8_e4m3": "fp8", torch.float8_e5m2: "e5m2", "float8_e5m2": "e5m2", "fp8_e5m2": "e5m2"}
+
+
+def block_format(name: str, block: int = DEFAULT_BLOCK) -> BlockFormat:
+    """The format named ``name`` (a key of BLOCK_FORMATS)."""
+    if name not in BLOCK_FORMATS:
+        raise ValueError(f"low-bit format {name!r}: expected one of {', '.join(BLOCK_FORMATS)}")
+    return BLOCK_FORMATS[name](block)
+
+
+def parse_format(value, block: int | None = None, *, what: str = "param_gather_dtype") -> BlockFormat | None:
+    """A name of BLOCK_FORMATS, an alias (``"float8_e4m3fn"``, ``"e4m3"``,
+    ``"float8_e5m2"``) or a torch dtype (``torch.int8``, ``torch.float8_e4m3fn``,
+    ``torch.float8_e5m2``); None: no low-bit format."""
     if value is None:
         return None
-    names = {torch.int8: "int8", _FP8: "fp8", "int8": "int8", "fp8": "fp8", "float8_e4m3fn": "fp8",
-             "e4m3": "fp8"}
-    kind = names.get(value) if isinstance(value, (str, torch.dtype)) else None
-    if kind is None:
-        raise ValueError(f"{what}={value!r}: expected 'int8', 'fp8' (float8 e4m3), torch.int8 or "
-                         "torch.float8_e4m3fn")
-    return LowBitFormat(kind, DEFAULT_BLOCK if block is None else block)
+    name = value if isinstance(value, str) and value in BLOCK_FORMATS else (
+        _ALIASES.get(value) if isinstance(value, (str, torch.dtype)) else None)
+    if name is None:
+        raise ValueError(f"{what}={value!r}: expected one of {', '.join(BLOCK_FORMATS)} (block-scaled codes), "
+                         "or torch.int8 / torch.float8_e4m3fn / torch.float8_e5m2")
+    return block_format(name, DEFAULT_BLOCK if block is None else block)
 
 
 _ROWS_AT_ONCE = 1 << 18
@@ -92,7 +163,7 @@ allocator's pool (fresh multi-MB temporaries cost more in page faults than
 the arithmetic)."""
 
 
-def _split(x: torch.Tensor, fmt: LowBitFormat) -> list[tuple[torch.Tensor, slice]]:
+def _split(x: torch.Tensor, fmt: BlockFormat) -> list[tuple[torch.Tensor, slice]]:
     """(rows of whole blocks as (rows, nb, width), scale columns) and the
     short tail block as (rows, 1, tail): views of ``x`` (rows, n)."""
     n = x.shape[-1]
@@ -111,7 +182,7 @@ def _row_ranges(rows: int, n: int) -> list[slice]:
     return [slice(r, min(rows, r + step)) for r in range(0, rows, step)]
 
 
-def quantize(x: torch.Tensor, fmt: LowBitFormat, codes: torch.Tensor, scales: torch.Tensor) -> None:
+def quantize(x: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor) -> None:
     """Codes (uint8, ``x``'s shape) and scales (fp32, (rows, blocks(n))) of
     ``x`` (rows, n), written into the given tensors (views of a wire row)."""
     for rows in _row_ranges(x.shape[0], x.shape[-1]):
@@ -121,16 +192,10 @@ def quantize(x: torch.Tensor, fmt: LowBitFormat, codes: torch.Tensor, scales: to
             scale = amax.float().div_(fmt.qmax)
             scale = torch.where(scale > 0, scale, 1.0)  # an all-zero block codes as zeros
             scales[rows, cols].copy_(scale.squeeze(-1))
-            scaled = torch.div(values, scale)
-            if fmt.kind == "int8":
-                # |x| <= amax, so |x / scale| exceeds 127 by float rounding at
-                # most, and rounds to 127: no clamp pass needed.
-                out.view(torch.int8).copy_(scaled.round_())
-            else:
-                out.view(_FP8).copy_(scaled.clamp_(-fmt.qmax, fmt.qmax))
+            fmt.encode(torch.div(values, scale), out)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, out: torch.Tensor,
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat, out: torch.Tensor,
                *, accumulate: bool = False) -> None:
     """``out`` (rows, n) = float32(code) * scale, rounded into ``out``'s
     dtype. The codes are decoded into ``out`` exactly (8-bit values fit any
@@ -143,26 +208,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, out
         for (c, cols), (o, _) in parts:
             scale = scales[rows, cols].unsqueeze(-1)
             target = torch.empty(o.shape, dtype=o.dtype, device=o.device) if accumulate else o
-            if fmt.kind == "int8":
-                target.copy_(c.view(torch.int8))
-            else:
-                target.copy_(_fp8_as_fp16(c))
-                scale = scale * _FP8_AS_FP16_FACTOR
-            target.mul_(scale)
+            target.copy_(fmt.decode(c))
+            target.mul_(scale if fmt.decode_factor == 1.0 else scale * fmt.decode_factor)
             if accumulate:
                 o.add_(target)
-
-
-_FP8_AS_FP16_FACTOR = 256.0
-
-
-def _fp8_as_fp16(codes: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes as fp16 values 2**-8 times theirs (exact, subnormals
-    included): the byte's exponent and mantissa bits moved into fp16's
-    places. torch's own float8 -> float conversion runs 4x slower on CPU."""
-    wide = codes.to(torch.int16)
-    sign = torch.bitwise_and(wide, 0x80).bitwise_left_shift_(8)
-    return wide.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
 
 
 def _flat_parts(x: torch.Tensor, block: int) -> list[tuple[torch.Tensor, slice]]:
@@ -176,20 +225,20 @@ def _flat_parts(x: torch.Tensor, block: int) -> list[tuple[torch.Tensor, slice]]
     return parts
 
 
-def quantize_flat(x: torch.Tensor, fmt: LowBitFormat, codes: torch.Tensor, scales: torch.Tensor) -> None:
+def quantize_flat(x: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor) -> None:
     """A 1-D tensor in consecutive blocks (a gradient chunk: blocks may span
     parameters); ``scales`` holds ``fmt.blocks(x.numel())`` values."""
     for (values, cols), (c, _) in zip(_flat_parts(x, fmt.block), _flat_parts(codes, fmt.block)):
         quantize(values, fmt, c, scales[cols].view(-1, 1))
 
 
-def dequantize_flat(codes: torch.Tensor, scales: torch.Tensor, fmt: LowBitFormat, out: torch.Tensor,
+def dequantize_flat(codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat, out: torch.Tensor,
                     *, accumulate: bool = False) -> None:
     for (c, cols), (o, _) in zip(_flat_parts(codes, fmt.block), _flat_parts(out, fmt.block)):
         dequantize(c, scales[cols].view(-1, 1), fmt, o, accumulate=accumulate)
 
 
-def quantize_dequantize(x: torch.Tensor, fmt: LowBitFormat, dtype: torch.dtype | None = None) -> torch.Tensor:
+def quantize_dequantize(x: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype | None = None) -> torch.Tensor:
     """What ``x`` becomes after a low-bit round trip, as a weight gather does
     it (rows = ``x``'s trailing dimensions past dim 0; vectors and scalars are
     not quantized and come back as they are). For references and tests."""
@@ -205,10 +254,8 @@ def quantize_dequantize(x: torch.Tensor, fmt: LowBitFormat, dtype: torch.dtype |
     return out.view(x.shape)
 
 
-def error_bound(amax: torch.Tensor, fmt: LowBitFormat) -> torch.Tensor:
+def error_bound(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """The largest |x - dequantize(quantize(x))| of a block whose largest
     magnitude is ``amax`` (before rounding into the destination dtype):
-    half a step for int8; for fp8 half a unit in the last place at the top
-    binade (3 mantissa bits: 2**-4 of 256 * scale ... 32 * scale at 448)."""
-    scale = amax / fmt.qmax
-    return scale * (0.5 if fmt.kind == "int8" else 16.0)
+    half the grid step at the top of the format's range, in scales."""
+    return amax / fmt.qmax * fmt.half_step

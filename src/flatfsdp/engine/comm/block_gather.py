@@ -1,11 +1,12 @@
-"""A group's weights gathered as block-scaled 8-bit codes (``param_gather_dtype``).
+"""A group's weights gathered as block-scaled 8-bit codes (``param_gather_dtype``):
+a gather codec (comm/wire.py).
 
 Each rank's row on the wire holds three parts, each laid out like a group
 layout of its own (so chunk arithmetic and views are the usual ones):
 
 * **codes**: one byte per element of every *coded* parameter -- a matrix or
   higher (``ndim >= 2``) chunked on dim 0, cut into row blocks
-  (layout/lowbit.py: a block never crosses a row, so codes do not depend on
+  (layout/block_formats.py: a block never crosses a row, so codes do not depend on
   the world size);
 * **scales**: one fp32 per block, laid out as a ``(rows, blocks per row)``
   parameter;
@@ -25,10 +26,15 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from flatfsdp.engine.comm.collectives import Pending
+from flatfsdp.engine.comm.outer_shard import OuterShard
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import GroupLayout, ParamLayout, build_group_layout
-from flatfsdp.engine.layout.lowbit import LowBitFormat, dequantize, quantize
+from flatfsdp.engine.layout.block_formats import BlockFormat, dequantize, quantize
+from flatfsdp.engine.layout.device import SideStream
+from flatfsdp.engine.layout.switches import Transport
 
 _BYTE_ALIGN = 16
 
@@ -42,10 +48,10 @@ def is_coded(p: ParamLayout) -> bool:
     return p.shard_dim == 0 and len(p.shape) >= 2 and p.numel > 0
 
 
-class LowBitRow:
+class BlockRow:
     """Where each part of a rank's row lives: the three sub-layouts and their byte offsets."""
 
-    def __init__(self, layout: GroupLayout, fmt: LowBitFormat, compute_dtype: torch.dtype):
+    def __init__(self, layout: GroupLayout, fmt: BlockFormat, compute_dtype: torch.dtype):
         self.layout, self.fmt, self.compute_dtype = layout, fmt, compute_dtype
         params, world = layout.params, layout.world
         self.coded = [i for i, p in enumerate(params) if is_coded(p)]
@@ -99,26 +105,30 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class LowBitGatherPlan:
-    """Gathers one group as low-bit rows. Duck-types the part of
-    ``comm.gather.GatherPlan`` coalescing uses (``row_bytes``, ``pack``,
-    ``unpack``, ``every``, ``device``); always on the packed path."""
+class BlockScaledGather:
+    """Gathers one group as block-scaled rows; always packed (the rows are
+    bytes, and every rank's row is decoded into place, its own included)."""
 
-    gathers_in_place = False
+    travels_alone = False
     dtype = torch.uint8
 
-    def __init__(self, layout: GroupLayout, rank: int, unsharded: torch.Tensor, fmt: LowBitFormat,
-                 keep_codes: bool = False):
+    def __init__(self, layout: GroupLayout, rank: int, unsharded: torch.Tensor, fmt: BlockFormat, *,
+                 transport: Transport, main_chunk: Callable[[int], torch.Tensor],
+                 outer: tuple[OuterShard, torch.Tensor] | None = None, keep_codes: bool = False):
+        """``main_chunk(i)``: parameter i's chunk of the main weights, which
+        ``refresh`` encodes; ``outer`` (HFSDP): the outer split and the main
+        weights (this rank's piece), encoded and gathered across replicas instead."""
         self.layout, self.rank, self.unsharded = layout, rank, unsharded
+        self.transport = transport
+        self._main_chunk, self._outer = main_chunk, outer
         self.keep_codes = keep_codes
         """Hold every rank's landed row after unpacking (ZeRO-3 groups), so the
         backward gather decodes them again without communicating."""
         self.kept: torch.Tensor | None = None
         """The (world, row) table of the step's codes, while held (Note [kept codes])."""
-        self.row = LowBitRow(layout, fmt, unsharded.dtype)
+        self.row = BlockRow(layout, fmt, unsharded.dtype)
         self.own = torch.zeros(self.row.nbytes, dtype=torch.uint8, device=unsharded.device)
         """This rank's row: the quantized copy of its chunks, made once per optimizer step."""
-        self.every = list(range(len(layout.params)))
         self.encodes = 0
         """How many times the row was made (tests assert once per optimizer step)."""
 
@@ -135,16 +145,44 @@ class LowBitGatherPlan:
     def device(self) -> torch.device:
         return self.unsharded.device
 
-    def encode(self, main_chunk: Callable[[int], torch.Tensor]) -> None:
-        """This rank's row from its main weights (``main_chunk(i)``: parameter i's chunk)."""
-        self.row.encode_rows(self.own, main_chunk, self.rank)
+    def refresh(self) -> None:
+        """This rank's row from its main weights (HFSDP: from every replica's
+        piece, gathered across the outer dimension as codes)."""
+        with torch.no_grad():
+            if self._outer is not None:
+                outer_shard, main = self._outer
+                outer_shard.all_gather_codes(main, self.row, self.own)
+            else:
+                self.row.encode_rows(self.own, self._main_chunk, self.rank)
         self.encodes += 1
         self.kept = None  # the old step's codes
 
-    def pack(self, row: torch.Tensor, indices: list[int]) -> None:
+    def local_result(self) -> Pending | None:
+        """The rows kept from this step's forward gather, decoded when the unit
+        waits for them (Note [kept codes]); None: nothing kept."""
+        if self.kept is None:
+            return None
+
+        def decode() -> None:
+            self.unpack(self.kept)
+            self.kept = None  # backward's decode is the last use this step
+        return Pending(label="(kept codes)", then=[decode])
+
+    def issue_alone(self, group: dist.ProcessGroup, *, async_op: bool,
+                    stream: SideStream | None) -> Pending | None:
+        return None
+
+    def release(self, keep_rows: bool) -> None:
+        if not keep_rows:
+            self.kept = None
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.own]  # the step's codes: this rank's row
+
+    def pack(self, row: torch.Tensor) -> None:
         row.copy_(self.own)
 
-    def unpack(self, table: torch.Tensor, indices: list[int]) -> None:
+    def unpack(self, table: torch.Tensor) -> None:
         """Every rank's codes dequantized, and plain chunks copied, into the
         unsharded buffer: rank r's rows of a coded parameter land in its slot."""
         row, fmt, params = self.row, self.row.fmt, self.layout.params

@@ -1,0 +1,152 @@
+"""The one place where front-door keywords become ``ShardOptions``.
+
+Megatron-FSDP's spellings (``device_mesh``, ``mixed_precision_policy``,
+``calculate_per_token_loss``, ``sync_model_each_microbatch``, ...) and
+FSDP2's (``mesh``, ``mp_policy``, ``offload_policy``, ``ignored_params``,
+``dp_mesh_dims``, an int ``reshard_after_forward``) both map here, once, into
+the engine's terms; nothing below the front doors sees a keyword. A keyword
+spelled as an options field (``prefetch_bytes``, ``bucket_bytes``, ...) is
+copied as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flatfsdp.engine.front.fsdp2_args import check_fsdp2_mesh, check_offload_policy, fsdp2_reshard_after_forward
+from flatfsdp.engine.front.spmd_mesh import check_spmd_params, spmd_dp_dims
+from flatfsdp.engine.layout.arithmetic import check_block
+from flatfsdp.engine.layout.mesh import check_device, check_hybrid_group, expert_dp_mesh, resolve_dp_mesh
+from flatfsdp.engine.layout.offload import HostOffload
+from flatfsdp.engine.layout.options import DEFAULT_BUCKET_BYTES, ShardOptions
+from flatfsdp.engine.layout.precision import resolve_policy
+from flatfsdp.engine.layout.strategy import ShardingStrategy
+from flatfsdp.engine.layout.switches import EngineSwitches
+
+ACCEPTED_NO_OPS = {"overlap_grad_reduce", "overlap_param_gather", "preproc_state_dict_for_dcp_ckpt",
+                   "keep_fp8_transpose_cache_when_using_custom_fsdp", "nccl_ub", "fsdp_double_buffer",
+                   "disable_symmetric_registration"}
+"""Megatron-FSDP keywords accepted for drop-in compatibility that change
+nothing here: overlap is always on, state dicts are always DCP-ready, and the
+NCCL buffer-registration knobs have no counterpart yet."""
+_CHECKED = {"device"}  # accepted when it agrees with the mesh (see mesh.check_device)
+_MAPPED = {"mesh", "strategy", "policy", "expert_mesh", "offload", "reshard_after_forward", "average_grads",
+           "sync_each_microbatch", "bucket_bytes", "shard_block", "ignored", "require_shardable", "replica_values",
+           "switches"}
+"""Options fields built from other keywords below; every other field is a
+keyword of the same name, copied as given (prefetch_bytes, meta_init_seed, ...)."""
+_COPIED = {f.name for f in dataclasses.fields(ShardOptions)} - _MAPPED
+
+
+def shard_options(module: Any, given: dict[str, Any], extra: dict[str, Any], *, per_module: bool) -> ShardOptions:
+    """``given``: every named keyword of the front door, defaults included;
+    ``extra``: what arrived through ``**kwargs``. ``per_module``: FSDP2's
+    form (``fully_shard(module, mesh=...)``), which refuses what FSDP2
+    refuses and warns where FSDP2 is silent."""
+    unknown = set(extra) - ACCEPTED_NO_OPS - _CHECKED
+    if unknown:
+        raise TypeError(f"fully_shard got unexpected keyword argument(s) {sorted(unknown)}")
+    g = dict(given)
+    if g.get("dp_mesh_dims") is not None:
+        _read_dp_mesh_dims(module, g)
+    mesh, device_mesh = g.get("mesh"), g.get("device_mesh")
+    if mesh is not None and device_mesh is not None and mesh is not device_mesh:
+        raise ValueError("pass the mesh as either mesh= or device_mesh=, not two different meshes")
+    check_fsdp2_mesh(mesh)
+    mp_policy, megatron_policy = g.get("mp_policy"), g.get("mixed_precision_policy")
+    if mp_policy is not None and megatron_policy is not None:
+        raise ValueError("pass the policy as either mp_policy= or mixed_precision_policy=, not both")
+    given_mesh = mesh if mesh is not None else device_mesh
+    strategy = ShardingStrategy.parse(g.get("zero_dp_strategy", 3))
+    dp_mesh = resolve_dp_mesh(given_mesh, g.get("dp_shard_dim"), g.get("dp_outer_dim"))
+    if _shards_across_outer(g.get("outer_dp_sharding_strategy", 0), dp_mesh, strategy):
+        dp_mesh = dp_mesh.with_outer_sharding()
+    check_hybrid_group(g.get("hybrid_fsdp_group"), dp_mesh)
+    _check_tp_dim(g.get("tp_dim"), given_mesh)
+    check_device(extra.get("device"), dp_mesh.shard)
+    expert_mesh = None
+    if g.get("expt_device_mesh") is not None:
+        expert_mesh = expert_dp_mesh(g["expt_device_mesh"], g.get("dp_shard_dim"), dp_mesh.size)
+    wire = {k: g.get(k) for k in ("param_gather_dtype", "grad_reduce_dtype", "lowbit_block")}
+    policy = resolve_policy(mp_policy if mp_policy is not None else megatron_policy,
+                            grad_reduce_in_fp32=g.get("grad_reduce_in_fp32", False),
+                            preserve_fp32_weights=g.get("preserve_fp32_weights", True), wire=wire)
+    check_offload_policy(g.get("offload_policy"))
+    block = g.get("shard_block")
+    check_block(block)
+    reshard = g.get("reshard_after_forward")
+    if per_module:
+        reshard = fsdp2_reshard_after_forward(reshard, dp_mesh.shard)
+    return ShardOptions(
+        mesh=dp_mesh, strategy=strategy, policy=policy, expert_mesh=expert_mesh,
+        offload=HostOffload.for_mesh(g.get("offload_policy"), dp_mesh.shard.device_type),
+        reshard_after_forward=reshard,
+        average_grads=not g.get("calculate_per_token_loss", False),
+        sync_each_microbatch=g.get("sync_model_each_microbatch", True),
+        bucket_bytes=_checked_bucket(g.get("bucket_bytes")),
+        shard_block=block,
+        ignored=frozenset(id(p) for p in g.get("ignored_params") or ()),
+        require_shardable=per_module,
+        replica_values="warn" if per_module else "error",
+        switches=EngineSwitches.from_environment(),
+        **{name: g[name] for name in _COPIED if name in g})
+
+
+def _read_dp_mesh_dims(module, g: dict[str, Any]) -> None:
+    """FSDP2's ``dp_mesh_dims`` over the whole SPMD mesh, rewritten in place as
+    this engine's (device_mesh, dp_shard_dim, dp_outer_dim, zero_dp_strategy)."""
+    if g.get("fsdp_unit_modules") is not None or g.get("optimizer") is not None:
+        raise TypeError("dp_mesh_dims belongs to the per-module form fully_shard(module, mesh=..., "
+                        "dp_mesh_dims=...); the one-call form takes dp_shard_dim= / dp_outer_dim=")
+    if g.get("dp_shard_dim") is not None or g.get("dp_outer_dim") is not None:
+        raise ValueError("pass the data-parallel dimensions either as dp_mesh_dims= or as "
+                         "dp_shard_dim=/dp_outer_dim=, not both")
+    reshard = g.get("reshard_after_forward")
+    if isinstance(reshard, int) and not isinstance(reshard, bool):
+        raise NotImplementedError("reshard_after_forward as an int is not supported with dp_mesh_dims "
+                                  "(as in FSDP2)")
+    spmd = g["mesh"] if g.get("mesh") is not None else g.get("device_mesh")
+    shard_name, replicate_name = spmd_dp_dims(spmd, g["dp_mesh_dims"])
+    check_spmd_params(module, spmd)
+    g.update(mesh=None, device_mesh=spmd)
+    if shard_name is None:  # replicate only: FSDP2's DDP
+        g.update(dp_shard_dim=replicate_name, dp_outer_dim=None, zero_dp_strategy=ShardingStrategy.NO_SHARD)
+    else:
+        g.update(dp_shard_dim=shard_name, dp_outer_dim=replicate_name)
+
+
+def _checked_bucket(bucket_bytes: int | None) -> int:
+    if bucket_bytes is None:
+        return DEFAULT_BUCKET_BYTES
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes must be a non-negative number of bytes (0: never coalesce), got {bucket_bytes!r}")
+    return bucket_bytes
+
+
+def _shards_across_outer(value: int | str, dp_mesh, strategy: ShardingStrategy) -> bool:
+    """Megatron-FSDP's ``outer_dp_sharding_strategy``: "no_shard" (0) keeps
+    replicas across the outer dimension (HSDP); "optim" (1) shards the main
+    weights and optimizer state across it too (HFSDP), over inner ZeRO-3."""
+    outer = ShardingStrategy.parse(value)
+    if outer == ShardingStrategy.NO_SHARD:
+        return False
+    if dp_mesh.outer is None:
+        raise ValueError(f"outer_dp_sharding_strategy={value!r} needs an outer dimension (dp_outer_dim=)")
+    if outer != ShardingStrategy.OPTIM:
+        raise ValueError(f"outer_dp_sharding_strategy={value!r}: only no_shard (0) and optim (1) exist across "
+                         "the outer dimension")
+    if strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(f"outer_dp_sharding_strategy={value!r} (HFSDP) needs zero_dp_strategy=3 "
+                         f"(optim_grads_params) inside each replica, got {strategy.name.lower()}")
+    return True
+
+
+def _check_tp_dim(tp_dim: str | None, mesh) -> None:
+    """``tp_dim`` names the tensor-parallel dimension; DTensor parameters
+    carry their own mesh, so it is only checked to exist."""
+    if tp_dim is None:
+        return
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if tp_dim not in names:
+        raise ValueError(f"tp_dim={tp_dim!r} is not a dimension of the device mesh; its dimensions are {list(names)}")
