@@ -39,10 +39,11 @@ def _row(row: dict) -> str:
 
 
 def describe_link(cfg: BenchConfig) -> str:
-    rate = parse_rate(cfg.link) / MB
+    rate = parse_rate(cfg.link) / MB  # MB = 2**20 bytes, as in the tables above
     if cfg.nodes == 1:
         return (f"Behind one link of {cfg.link} ({rate:.0f} MB/s): every rank in one network namespace whose "
-                "loopback is token-bucket limited, both directions sharing the rate.")
+                "loopback is token-bucket limited, both directions sharing the rate (one node: the engine's "
+                "messages all count as intra-node, and all of them cross the link).")
     return (f"Two simulated nodes of {cfg.nprocs} ranks joined by a link of {cfg.link} ({rate:.0f} MB/s) each way "
             "(a veth pair, throttled per direction); ranks of a node talk over its own, unthrottled loopback. "
             "HSDP/HFSDP: replicas across the nodes, shards within one.")
@@ -52,7 +53,7 @@ def wire_table(cfg: BenchConfig, summary: dict) -> str:
     direction = "" if cfg.nodes == 1 else " (node 0 -> 1 / 1 -> 0)"
     lines = [describe_link(cfg), "",
              f"| contender | step s | crossing MB/step, interface{direction} | crossing MB/step, engine{direction} "
-             "| engine p2p MB/step intra / inter node | engine native all-reduce MB/rank (not split per peer) "
+             "| engine p2p MB/step intra / inter node (all ranks) | engine native all-reduce MB/rank (not split per peer) "
              "| wire limit s (interface) | wire limit s (engine) | line = max(floor, wire) s | step / line |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [_row(row) for row in summary["rows"].values() if "wire" in row]
