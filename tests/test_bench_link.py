@@ -216,3 +216,16 @@ def test_one_link_throttles_the_namespace_loopback():
                                         text=True)
         assert "tbf" in qdisc and "rate 2Gbit" in qdisc
     assert net.name not in subprocess.check_output(["ip", "netns", "list"], text=True)
+
+
+def test_a_failing_node_stops_the_other_and_a_slow_run_is_cut_off(tmp_path):
+    from flatfsdp.bench.link_runs import _run_nodes
+    from flatfsdp.launch import RankFailed
+
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    stuck = [sys.executable, "-c", "import time; time.sleep(60)"]
+    failing = [sys.executable, "-c", "raise SystemExit('node 1 gives up')"]
+    with pytest.raises(RankFailed, match=r"(?s)node\(s\) \[1\] exited with \[1\].*node 1 gives up"):
+        _run_nodes([stuck, failing], logs, timeout_s=60)
+    with pytest.raises(RankFailed, match="did not finish within 1 s"):
+        _run_nodes([stuck], logs[:1], timeout_s=1)

@@ -14,9 +14,9 @@ for side in a b; do
   ip netns exec "$ns-$side" ip link set lo up
 done
 if ! ip netns exec "$ns-a" ip link show wire >/dev/null 2>&1; then
-  # Interface names live in the host's namespace until moved: derive them from NAME (at most 15 characters)
-  # so two benches setting up at once cannot collide.
-  tmp=$(printf '%s' "$ns" | cksum | cut -c1-8)
+  # Interface names live in the host's namespace until moved: derive them from NAME so two benches setting up
+  # at once cannot collide, within the 15-character limit (v + a checksum of at most 10 digits + a|b).
+  tmp=$(printf '%s' "$ns" | cksum | cut -d' ' -f1)
   ip link add "v${tmp}a" type veth peer name "v${tmp}b"
   ip link set "v${tmp}a" netns "$ns-a"
   ip link set "v${tmp}b" netns "$ns-b"

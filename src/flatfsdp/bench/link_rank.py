@@ -38,11 +38,18 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def error_file(out: str | Path, rank: int | str) -> Path:
+    """Where a failing rank leaves its traceback for the bench (torchrun's own log buries it)."""
+    return Path(f"{out}.rank{rank}.err")
+
+
 if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
-    except BaseException:  # noqa: BLE001 -- the traceback goes to the node's log, the exit code to torchrun
+    except BaseException:  # noqa: BLE001 -- the traceback goes to the bench, the exit code to torchrun
         traceback.print_exc()
+        with contextlib.suppress(Exception):
+            error_file(sys.argv[3], os.environ.get("RANK", "?")).write_text(traceback.format_exc())
         code = 1
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):

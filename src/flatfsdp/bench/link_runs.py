@@ -64,7 +64,13 @@ class LinkRuns:
         out = self.workdir / f"run{self.runs}.json"
         logs = [self.workdir / f"run{self.runs}.node{node}.log" for node in range(cfg.nodes)]
         commands = [self.net.node_command(node, self._torchrun(cfg, node, name, out)) for node in range(cfg.nodes)]
-        _run_nodes(commands, logs, RUN_TIMEOUT_S)
+        try:
+            _run_nodes(commands, logs, RUN_TIMEOUT_S)
+        except RankFailed as exc:
+            errors = sorted(self.workdir.glob(f"{out.name}.rank*.err"))
+            if errors:  # the ranks' own tracebacks say more than torchrun's summary
+                raise RankFailed("".join(f"--- {e.name} ---\n{e.read_text()}" for e in errors)) from exc
+            raise
         if not out.is_file():
             raise RankFailed(f"rank 0 wrote no record\n{_tails(logs)}")
         return json.loads(out.read_text())
