@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from flatfsdp.bench.chart import write_chart
+from flatfsdp.bench.link_runs import run_behind_link
 from flatfsdp.bench.options import BenchConfig, build_parser, config_from_args
 from flatfsdp.bench.report import summarise
 from flatfsdp.bench.runner import is_reporting_rank, run_all
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    runs, notes = run_all(cfg)
+    runs, notes = run_behind_link(cfg) if cfg.link else run_all(cfg)
     summary = summarise(cfg, runs, notes)
     if not is_reporting_rank():
         return summary

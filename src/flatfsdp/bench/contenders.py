@@ -55,12 +55,27 @@ def _maybe_compiled(model: nn.Module, compile_model: bool) -> nn.Module:
     return torch.compile(model) if compile_model else model
 
 
-def setup_fsdp2(model: nn.Module, cfg: BenchConfig, compile_model: bool = False) -> Trainer:
+def hybrid_mesh(model: nn.Module, cfg: BenchConfig, names: tuple[str, str]):
+    """The (outer, shard) mesh of HSDP and HFSDP. Ranks are numbered node-major
+    (torchrun), and the mesh is row-major, so a shard group is ranks
+    [o * inner, (o + 1) * inner): with --nodes 2 the outer dimension is the node
+    dimension -- replicas across nodes, shards within one. Without, two replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, outer = dist.get_world_size(), cfg.nodes if cfg.nodes > 1 else 2
+    if world % outer:
+        raise ValueError(f"HSDP over {outer} replicas needs a world divisible by {outer}, got {world} ranks")
+    return init_device_mesh(next(model.parameters()).device.type, (outer, world // outer), mesh_dim_names=names)
+
+
+def setup_fsdp2(model: nn.Module, cfg: BenchConfig, compile_model: bool = False, hybrid: bool = False) -> Trainer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device_type = next(model.parameters()).device.type
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    # A 2-D mesh is FSDP2's HSDP: replicate over dim 0, shard over dim 1.
+    mesh = (hybrid_mesh(model, cfg, ("replicate", "shard")) if hybrid
+            else init_device_mesh(device_type, (dist.get_world_size(),)))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=cfg.reduce_dtype) if cfg.bf16
               else MixedPrecisionPolicy())
     for block in model.blocks:
@@ -72,8 +87,15 @@ def setup_fsdp2(model: nn.Module, cfg: BenchConfig, compile_model: bool = False)
 
 
 def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None = None,
-                   compile_model: bool = False) -> Trainer:
+                   compile_model: bool = False, outer: str | None = None) -> Trainer:
+    """``outer``: None (one shard group of every rank), or the outer dimension's
+    ``outer_dp_sharding_strategy`` on the hybrid mesh: "no_shard" (HSDP), "optim" (HFSDP)."""
     import flatfsdp
+
+    mesh = {}
+    if outer is not None:
+        mesh = dict(device_mesh=hybrid_mesh(model, cfg, ("dp_outer", "dp_shard")), dp_shard_dim="dp_shard",
+                    dp_outer_dim="dp_outer", outer_dp_sharding_strategy=outer)
 
     # Megatron-FSDP style: the optimizer is built on the plain model, then bound.
     optimizer = build_optimizer(model.parameters(), cfg)
@@ -82,7 +104,8 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
     lowbit = dict(param_gather_dtype=cfg.param_gather_dtype,
                   grad_reduce_dtype=None if cfg.grad_reduce_dtype == "fp32" else cfg.grad_reduce_dtype)
     model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=[TransformerBlock],
-                                            zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy, **lowbit)
+                                            zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy,
+                                            **lowbit, **mesh)
     if on_nonfinite is not None:
         flatfsdp.set_on_nonfinite(model, on_nonfinite)
     return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer),
@@ -131,6 +154,11 @@ REGISTRY = {c.name: c for c in (
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("fsdp2-compiled", "FSDP2, torch.compile", lambda m, c: setup_fsdp2(m, c, compile_model=True)),
     Contender("flatfsdp-compiled", "flatfsdp, torch.compile", lambda m, c: setup_flatfsdp(m, c, compile_model=True),
+              unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
+    Contender("fsdp2-hsdp", "FSDP2-HSDP", lambda m, c: setup_fsdp2(m, c, hybrid=True)),
+    Contender("flatfsdp-hsdp", "flatfsdp HSDP", lambda m, c: setup_flatfsdp(m, c, outer="no_shard"),
+              unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
+    Contender("flatfsdp-hfsdp", "flatfsdp HFSDP", lambda m, c: setup_flatfsdp(m, c, outer="optim"),
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("deepspeed", "DeepSpeed ZeRO-3", setup_deepspeed, unavailable=ds.unavailable_reason,
               preload=ds.preload),

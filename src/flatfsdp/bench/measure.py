@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from flatfsdp.bench.comm_bytes import CollectiveBytes
 from flatfsdp.bench.contenders import REGISTRY, Trainer
+from flatfsdp.bench.link_counters import LinkProbe, NodeLayout
 from flatfsdp.bench.memory import PeakMemory
+from flatfsdp.bench.netsim import link_device
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.workload import build_model, device, make_batches, param_count
 
@@ -82,12 +84,19 @@ def run_contender(cfg: BenchConfig, name: str) -> dict:
     if trainer.account is not None:
         trainer.account.reset()
     dist.barrier()
+    # Behind a throttled link: its byte counters around the timed steps, and
+    # which peers share this rank's node (only there, so a loopback run keeps
+    # its schedule to the barrier).
+    link = None
+    if cfg.link:
+        link = LinkProbe(link_device(cfg.nodes), NodeLayout.from_env(rank, world), trainer.account, dev)
     times, losses = _timed(trainer, batches[cfg.warmup:], dev)
+    link_bytes = link.finish(cfg.steps) if link else None
     engine_bytes = _per_step_engine_bytes(trainer.account, cfg.steps)
     peak = probe.peak_bytes()
     return _gather(dict(
         contender=name, n_params=n_params, world=world, stage=trainer.stage, device=str(dev),
-        memory_method=probe.method, torch_bytes=torch_bytes, engine_bytes=engine_bytes,
+        memory_method=probe.method, torch_bytes=torch_bytes, engine_bytes=engine_bytes, link=link_bytes,
     ), times, warm_losses + losses, peak, dev)
 
 

@@ -7,12 +7,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from flatfsdp.bench.wire import parse_rate
+
 CONTENDERS = ("floor", "fsdp2", "flatfsdp", "deepspeed")
-VARIANTS = ("flatfsdp-nocheck", "flatfsdp-fullbit", "fsdp2-compiled", "flatfsdp-compiled")
+VARIANTS = ("flatfsdp-nocheck", "flatfsdp-fullbit", "fsdp2-compiled", "flatfsdp-compiled",
+            "fsdp2-hsdp", "flatfsdp-hsdp", "flatfsdp-hfsdp")
 """Run only when named: flatfsdp with a per-step safety check turned off, to
 measure what the check costs in the same run (docs/reliability.md); flatfsdp
 without its low-bit gathers/reductions (docs/lowbit.md); FSDP2 and
-flatfsdp with the whole sharded model under ``torch.compile`` (docs/compile.md)."""
+flatfsdp with the whole sharded model under ``torch.compile`` (docs/compile.md);
+on a 2-D (outer, shard) mesh, FSDP2's HSDP, flatfsdp's HSDP and its HFSDP
+(main weights and optimizer state sharded across the outer dimension too)."""
 """Every contender the bench knows, in report order."""
 
 PRESETS = {"small-batch": dict(batch=1, seq_len=64), "large-batch": dict(batch=4, seq_len=256)}
@@ -69,6 +74,12 @@ class BenchConfig:
     """Largest |loss - reference| still counted as agreement; None: by precision."""
     preset: str | None = None
     """The preset the batch shape came from, for the report."""
+    link: str | None = None
+    """Rate of the throttled link the ranks run behind, in tc's units ("2gbit");
+    None: plain loopback, no namespace (docs/benchmarks.md, "Behind a slow link")."""
+    nodes: int = 1
+    """Simulated nodes behind ``link`` (1 or 2), ``nprocs`` ranks each; HSDP's
+    outer dimension is then the node dimension."""
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -90,6 +101,11 @@ class BenchConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "BenchConfig":
+        """The inverse of ``as_dict`` after a JSON round trip (ranks behind a link read it from a file)."""
+        return cls(**{**values, "contenders": tuple(values["contenders"])})
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -120,6 +136,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--loss-tol", type=float, default=None, help="loss agreement tolerance (default 2e-3 fp32, 5e-2 bf16 or low-bit)")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="run the ranks behind one link throttled to RATE (tc units: 2gbit, 500mbit); needs root")
+    p.add_argument("--nodes", type=int, default=d.nodes, choices=(1, 2),
+                   help="with --link: simulated nodes joined by the link, --nprocs ranks each")
     p.add_argument("--out", default=None, help="directory for results.json and chart.png")
     return p
 
@@ -137,6 +157,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit(f"unknown contender(s) {unknown}: choose from {', '.join(CONTENDERS)}")
     if min(args.steps, args.repeats, args.nprocs, args.threads_per_rank) < 1 or args.warmup < 0:
         raise SystemExit("--steps, --repeats, --nprocs and --threads-per-rank must be >= 1, --warmup >= 0")
+    if args.link is not None:
+        parse_rate(args.link)  # refuse a rate tc would misread before anything starts
+    elif args.nodes > 1:
+        raise SystemExit("--nodes 2 needs --link RATE: the simulated nodes are joined by a throttled link")
     context = args.context or max(256, shape["seq_len"])
     if shape["seq_len"] > context:
         raise SystemExit(f"--seq-len {shape['seq_len']} exceeds --context {context}")
@@ -146,4 +170,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        grad_reduce_dtype=args.grad_reduce_dtype, param_gather_dtype=args.param_gather_dtype,
                        strategy=args.strategy, contenders=names,
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
-                       preset=preset if args.batch is None and args.seq_len is None else None, **shape)
+                       preset=preset if args.batch is None and args.seq_len is None else None,
+                       link=args.link, nodes=args.nodes, **shape)

@@ -13,6 +13,7 @@ import statistics
 from flatfsdp.bench.contenders import REGISTRY
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.theory import min_comm_bytes, min_state_bytes
+from flatfsdp.bench.wire import parse_rate, wire_figures
 
 MB = 2**20
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -51,6 +52,7 @@ def summarise_contender(name: str, runs: list[dict], cfg: BenchConfig) -> dict:
         state_mb_theory=min_state_bytes(last["stage"], last["n_params"], last["world"], cfg.bf16) / MB,
         first_loss=last["losses"][0], last_loss=last["losses"][-1], losses=last["losses"],
         comm=_comm(last, cfg), memory_method=last["memory_method"], n_params=last["n_params"],
+        link=last.get("link"),
     )
 
 
@@ -87,5 +89,9 @@ def summarise(cfg: BenchConfig, runs: list[dict], notes: dict[str, str]) -> dict
         if mine:
             rows[name] = summarise_contender(name, mine, cfg)
     _add_ratios(rows)
+    if cfg.link:  # bytes per step are deterministic: the last run's, against the median step
+        floor_s = rows["floor"]["step_s"] if "floor" in rows else None
+        for row in rows.values():
+            row["wire"] = wire_figures(row["step_s"], row["link"], parse_rate(cfg.link), floor_s)
     ref = _check_losses(rows, cfg.tolerance)
     return dict(rows=rows, notes=notes, loss_reference=ref, loss_tolerance=cfg.tolerance)

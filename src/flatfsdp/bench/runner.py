@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Callable
 
 from flatfsdp.bench.contenders import REGISTRY
 from flatfsdp.bench.measure import run_contender
@@ -23,8 +24,15 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_all(cfg: BenchConfig, verbose: bool = True) -> tuple[list[dict], dict[str, str]]:
-    """Every run's record, in run order, and a note per contender that did not run."""
+def launch_locally(cfg: BenchConfig, name: str) -> dict:
+    """One run on fresh local ranks (or on torchrun's)."""
+    return launch(run_contender, cfg.nprocs, cfg, name, threads_per_rank=cfg.threads_per_rank)
+
+
+def run_all(cfg: BenchConfig, verbose: bool = True,
+            run_one: Callable[[BenchConfig, str], dict] = launch_locally) -> tuple[list[dict], dict[str, str]]:
+    """Every run's record, in run order, and a note per contender that did not run.
+    ``run_one(cfg, name)`` makes one run (behind a link: ``link_runs.LinkRuns``)."""
     notes = {n: why for n in cfg.contenders if (why := REGISTRY[n].unavailable())}
     active = [n for n in cfg.contenders if n not in notes]
     runs: list[dict] = []
@@ -34,7 +42,7 @@ def run_all(cfg: BenchConfig, verbose: bool = True) -> tuple[list[dict], dict[st
                 continue
             start = time.perf_counter()
             try:
-                record = launch(run_contender, cfg.nprocs, cfg, name, threads_per_rank=cfg.threads_per_rank)
+                record = run_one(cfg, name)
             except RankFailed as exc:
                 notes[name] = f"failed: {_last_line(str(exc))}"
                 _log(f"[bench] {name} failed in round {round_ + 1}:\n{exc}")

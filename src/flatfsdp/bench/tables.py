@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.report import KINDS, MB
+from flatfsdp.bench.wire_table import wire_table
 
 
 def _x(value: float | None) -> str:
@@ -91,4 +92,5 @@ def markdown(cfg: BenchConfig, summary: dict, world: int) -> str:
                      "(the floor on its first step: its replicas never average gradients)")
     if rows:
         notes.append(f"* memory: {rows[0]['memory_method']}")
-    return "\n".join(parts + ([""] + notes if notes else []))
+    link = ["", wire_table(cfg, summary)] if cfg.link else []
+    return "\n".join(parts + ([""] + notes if notes else []) + link)

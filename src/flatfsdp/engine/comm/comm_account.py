@@ -1,6 +1,8 @@
 """The user-visible communication account: how many collectives of each kind
 ran, and how many bytes their buffers covered, on this rank -- in total and
-per mesh dimension (``by_dim()``: HSDP's shard and outer traffic apart)."""
+per mesh dimension (``by_dim()``: HSDP's shard and outer traffic apart) --
+and the bytes of the point-to-point messages this rank posted, per peer
+(``sent_by_peer()``: what crosses a link between nodes, see Note [sent bytes])."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ class CommAccount:
         self._lock = threading.Lock()
         self._counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         self._by_dim: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        self._sent: dict[int, int] = defaultdict(int)
 
     def add(self, kind: str, nbytes: int, dim: str = "world") -> None:
         """``dim``: the mesh dimension the collective ran over."""
@@ -24,10 +27,16 @@ class CommAccount:
                 entry[0] += 1
                 entry[1] += nbytes
 
+    def add_sent(self, peer: int, nbytes: int) -> None:
+        """A message of ``nbytes`` posted to global rank ``peer``."""
+        with self._lock:
+            self._sent[peer] += nbytes
+
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
             self._by_dim.clear()
+            self._sent.clear()
 
     def by_dim(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{dimension: {kind: {"count", "bytes"}}}``; a dimension is the mesh
@@ -43,9 +52,24 @@ class CommAccount:
         with self._lock:
             return {kind: {"count": c, "bytes": b} for kind, (c, b) in sorted(self._counts.items())}
 
+    def sent_by_peer(self) -> dict[int, int]:
+        """``{global rank: bytes this rank sent it}`` in point-to-point messages."""
+        with self._lock:
+            return dict(sorted(self._sent.items()))
+
     def total_bytes(self) -> int:
         return sum(entry["bytes"] for entry in self.snapshot().values())
 
+
+# Note [sent bytes]
+# A collective's buffer size says nothing about which link its bytes take.
+# Where the engine moves bytes itself -- gloo's pairwise exchanges
+# (exchange.py) -- it knows each message's peer, so it records the payload per
+# peer; whoever knows which ranks share a node (torchrun's LOCAL_WORLD_SIZE,
+# read by the application) splits that into intra- and inter-node bytes. The
+# engine keeps no notion of nodes. Native collectives (gloo's all_reduce,
+# NCCL's anything) route bytes inside the backend, out of the engine's sight:
+# they appear here only per kind and dimension, never per peer.
 
 _ACCOUNT = CommAccount()
 

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from flatfsdp.engine.comm.comm_account import comm_account
 from flatfsdp.engine.layout.views import same_start
 
 _TAG_SPACE = 1 << 20
@@ -46,6 +47,7 @@ def post_messages(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, 
     tag, works = _next_tag(group), []
     for peer, tensor in sends:
         works.append((dist.isend(tensor, group=group, group_dst=peer, tag=tag), peer))
+        comm_account().add_sent(dist.get_global_rank(group, peer), tensor.numel() * tensor.element_size())
     for peer, tensor in recvs:
         works.append((dist.irecv(tensor, group=group, group_src=peer, tag=tag), peer))
     return works
@@ -79,6 +81,7 @@ def exchange_reduce_scatter(output: torch.Tensor, flat: torch.Tensor,
             continue
         slots[peer] = _chunk(received, len(slots), size)
         works.append((dist.isend(_chunk(flat, peer, size), group=group, group_dst=peer, tag=tag), peer))
+        comm_account().add_sent(dist.get_global_rank(group, peer), size * flat.element_size())
         works.append((dist.irecv(slots[peer], group=group, group_src=peer, tag=tag), peer))
 
     def finish() -> None:
