@@ -64,6 +64,18 @@ def _per_step_engine_bytes(account, steps: int) -> dict | None:
     return {kind: {"count": per_step(v["count"]), "bytes": per_step(v["bytes"])} for kind, v in snap.items()}
 
 
+def _exposed_per_step(account, steps: int, dev: torch.device) -> dict | None:
+    """Seconds per timed step the host waited for collectives (the engine's
+    account: communication not hidden behind compute), by kind; the slowest
+    rank's total under "total"."""
+    if account is None or not hasattr(account, "waited"):
+        return None
+    mine = {kind: s / steps for kind, s in account.waited().items()}
+    total = torch.tensor([sum(mine.values())], dtype=torch.float64, device=dev)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return dict(mine, total=total.item())
+
+
 def run_contender(cfg: BenchConfig, name: str) -> dict:
     """Train ``cfg.warmup + cfg.steps`` steps under contender ``name``; gather every rank's figures."""
     # FSDP2 calls collectives torch itself marks deprecated: one warning per call is noise here.
@@ -93,10 +105,12 @@ def run_contender(cfg: BenchConfig, name: str) -> dict:
     times, losses = _timed(trainer, batches[cfg.warmup:], dev)
     link_bytes = link.finish(cfg.steps) if link else None
     engine_bytes = _per_step_engine_bytes(trainer.account, cfg.steps)
+    exposed = _exposed_per_step(trainer.account, cfg.steps, dev)
     peak = probe.peak_bytes()
     return _gather(dict(
         contender=name, n_params=n_params, world=world, stage=trainer.stage, device=str(dev),
         memory_method=probe.method, torch_bytes=torch_bytes, engine_bytes=engine_bytes, link=link_bytes,
+        exposed=exposed,
     ), times, warm_losses + losses, peak, dev)
 
 

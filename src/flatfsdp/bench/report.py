@@ -53,7 +53,13 @@ def summarise_contender(name: str, runs: list[dict], cfg: BenchConfig) -> dict:
         first_loss=last["losses"][0], last_loss=last["losses"][-1], losses=last["losses"],
         comm=_comm(last, cfg), memory_method=last["memory_method"], n_params=last["n_params"],
         link=last.get("link"),
+        exposed_s=_median_exposed(runs), exposed_by_kind=(last.get("exposed") or {}),
     )
+
+
+def _median_exposed(runs: list[dict]) -> float | None:
+    totals = [r["exposed"]["total"] for r in runs if r.get("exposed")]
+    return statistics.median(totals) if totals else None
 
 
 def _add_ratios(rows: dict[str, dict]) -> None:

@@ -51,17 +51,26 @@ def _other_cell(measured: dict) -> str:
     return ", ".join(f"{k} {v['bytes'] / MB:.2f} ({v['count']:g})" for k, v in others.items())
 
 
+def _waited(row: dict) -> str:
+    """Exposed communication: the slowest rank's host wait per step, by kind (engine account only)."""
+    if row.get("exposed_s") is None:
+        return "--"
+    kinds = ", ".join(f"{k} {v:.3f}" for k, v in row["exposed_by_kind"].items() if k != "total" and v >= 0.0005)
+    return f"{row['exposed_s']:.3f}" + (f" ({kinds})" if kinds else "")
+
+
 def comm_table(summary: dict) -> str:
     lines = ["| contender | counted by | all-gather MB (calls) | reduce-scatter MB (calls) | all-reduce MB (calls) "
-             "| other | total MB | minimum MB | total / minimum |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| other | total MB | minimum MB | total / minimum | host waited s/step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary["rows"].values():
         comm = row["comm"]
         minimum = comm["min_total_bytes"]
         lines.append(
             f"| {row['label']} | {comm['source']} | "
             + " | ".join(_kind_cell(comm["measured"], k) for k in KINDS)
-            + f" | {_other_cell(comm['measured'])} | {comm['total_bytes'] / MB:.1f} | {minimum / MB:.1f} | {_x(comm['ratio_to_min'])} |")
+            + f" | {_other_cell(comm['measured'])} | {comm['total_bytes'] / MB:.1f} | {minimum / MB:.1f} "
+            f"| {_x(comm['ratio_to_min'])} | {_waited(row)} |")
     return "\n".join(lines)
 
 

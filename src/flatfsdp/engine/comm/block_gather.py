@@ -121,6 +121,7 @@ class BlockScaledGather:
         self.layout, self.rank, self.unsharded = layout, rank, unsharded
         self.transport = transport
         self._main_chunk, self._outer = main_chunk, outer
+        self._outer_gather: Pending | None = None
         self.keep_codes = keep_codes
         """Hold every rank's landed row after unpacking (ZeRO-3 groups), so the
         backward gather decodes them again without communicating."""
@@ -145,13 +146,22 @@ class BlockScaledGather:
     def device(self) -> torch.device:
         return self.unsharded.device
 
+    def refresh_early(self) -> None:
+        """HFSDP: encode this rank's piece and start gathering every replica's
+        across the outer dimension now; ``refresh`` waits for it."""
+        if self._outer is not None and self._outer_gather is None:
+            outer_shard, main = self._outer
+            with torch.no_grad():
+                self._outer_gather = outer_shard.all_gather_codes(main, self.row, self.own)
+
     def refresh(self) -> None:
         """This rank's row from its main weights (HFSDP: from every replica's
         piece, gathered across the outer dimension as codes)."""
         with torch.no_grad():
             if self._outer is not None:
-                outer_shard, main = self._outer
-                outer_shard.all_gather_codes(main, self.row, self.own)
+                self.refresh_early()
+                self._outer_gather, pending = None, self._outer_gather
+                pending.wait()
             else:
                 self.row.encode_rows(self.own, self._main_chunk, self.rank)
         self.encodes += 1

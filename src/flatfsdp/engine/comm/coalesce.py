@@ -113,6 +113,16 @@ class ReduceRequest:
     group too (the replicas'), before ``then``."""
     average: bool = False
     """The codec's collective averages (FSDP2's ``ReduceOp.AVG``; wire.ReduceCodec.averages)."""
+    follow: Callable[[], Pending] | None = None
+    """A collective to issue once ``output`` has landed (HFSDP's reduce-scatter
+    across the outer dimension), before ``then``; chained, never blocking."""
+    landed: list[Callable[[], None]] = field(default_factory=list)
+    """Run once ``output`` has landed, before any follow-up (release the
+    unsharded gradient buffer while the follow-up travels)."""
+    drain: Callable[[], None] | None = None
+    """Waits, in order, for the reductions issued before this one (set by
+    the queue that issued it: chained follow-ups must start in the same
+    order on every rank)."""
 
     @property
     def nbytes(self) -> int:
@@ -126,27 +136,38 @@ class ReduceRequest:
     def wait(self) -> None:
         if self.pending is None and self.flush is not None:
             self.flush()
+        if self.drain is not None:
+            self.drain()
         if self.pending is not None:
             self.pending.wait()
 
 
 def reduce(members: list[ReduceRequest], *, async_op: bool, stream: SideStream | None = None) -> Pending:
-    """One collective for requests of one bucket key (and, with replicas, one
-    all-reduce across them for the whole bucket)."""
-    outer, codec = members[0].outer, members[0].codec
+    """One collective for requests of one bucket key; then, chained (see
+    Pending.chain), with replicas one all-reduce across them for the whole
+    bucket, and each member's own follow-up."""
+    outer, codec, unpack = members[0].outer, members[0].codec, None
     if len(members) == 1:
         only = members[0]
+        target = only.flat if only.kind == "all_reduce" else only.output
         if only.kind == "all_reduce":
             pending = codec.all_reduce(only.flat, only.group, async_op=async_op, stream=stream)
         else:
             pending = codec.reduce_scatter(only.output, only.flat, only.group, async_op=async_op, stream=stream,
                                            average=only.average)
-        if outer is not None:
-            pending.then.append(lambda: codec.all_reduce(only.output, outer).wait())
     elif members[0].kind == "all_reduce":
-        pending = _all_reduce_packed(members, async_op, stream, outer)
+        pending, target, unpack = _all_reduce_packed(members, async_op, stream)
     else:
-        pending = _reduce_scatter_packed(members, async_op, stream, outer)
+        pending, target, unpack = _reduce_scatter_packed(members, async_op, stream)
+    if members[0].kind == "reduce_scatter":  # the inputs are spent once the first stage lands
+        pending.then.extend(callback for m in members for callback in m.landed)
+    if outer is not None:
+        pending.chain(lambda: codec.all_reduce(target, outer, async_op=True, stream=stream))
+    if unpack is not None:
+        pending.then.append(unpack)
+    follows = [m.follow for m in members if m.follow is not None]
+    if follows:
+        pending.chain(lambda: _joined([follow() for follow in follows]))
     for m in members:
         m.pending = pending
         pending.then.extend(m.then)
@@ -155,24 +176,28 @@ def reduce(members: list[ReduceRequest], *, async_op: bool, stream: SideStream |
     return pending
 
 
-def _all_reduce_packed(members: list[ReduceRequest], async_op: bool, stream: SideStream | None,
-                       outer: dist.ProcessGroup | None) -> Pending:
+def _joined(stages: list[Pending]) -> Pending:
+    """Several collectives in flight as one (members' follow-ups travel together)."""
+    first = stages[0]
+    return Pending(works=[w for p in stages for w in p.works], then=[c for p in stages for c in p.then],
+                   group=first.group, label=first.label, timeout_s=first.timeout_s, kind=first.kind)
+
+
+def _all_reduce_packed(members: list[ReduceRequest], async_op: bool,
+                       stream: SideStream | None) -> tuple[Pending, torch.Tensor, Callable[[], None]]:
     codec = members[0].codec
     packed = torch.cat([m.flat.reshape(-1) for m in members])
     pending = codec.all_reduce(packed, members[0].group, async_op=async_op, stream=stream)
     offsets = _offsets([m.flat.numel() for m in members])
 
     def unpack() -> None:
-        if outer is not None:
-            codec.all_reduce(packed, outer).wait()
         for m, off in zip(members, offsets):
             m.flat.view(-1).copy_(packed[off:off + m.flat.numel()])
-    pending.then.append(unpack)
-    return pending
+    return pending, packed, unpack
 
 
-def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool, stream: SideStream | None,
-                           outer: dist.ProcessGroup | None) -> Pending:
+def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool,
+                           stream: SideStream | None) -> tuple[Pending, torch.Tensor, Callable[[], None]]:
     codec = members[0].codec
     group, world = members[0].group, members[0].group.size()
     sizes = [m.output.numel() for m in members]
@@ -187,12 +212,9 @@ def _reduce_scatter_packed(members: list[ReduceRequest], async_op: bool, stream:
                                    average=members[0].average)
 
     def unpack() -> None:
-        if outer is not None:
-            codec.all_reduce(result, outer).wait()
         for m, off, size in zip(members, offsets, sizes):
             m.output.copy_(result[off:off + size])
-    pending.then.append(unpack)
-    return pending
+    return pending, result, unpack
 
 
 def _offsets(sizes: list[int]) -> list[int]:

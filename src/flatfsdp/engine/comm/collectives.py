@@ -8,6 +8,7 @@ and CPU (gloo work handles).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,7 +27,13 @@ from flatfsdp.engine.comm.watchdog import wait_works
 
 @dataclass
 class Pending:
-    """A collective in flight, plus the work to do once it lands."""
+    """A collective in flight, plus the work to do once it lands.
+
+    It may be the first of a chain (``chain``): a collective that needs this
+    one's result -- HSDP's all-reduce of a reduce-scattered chunk across
+    replicas, HFSDP's outer reduce-scatter -- is issued once this one has
+    landed, by ``advance`` (never blocking: the reduction queue polls it
+    between units) or by ``wait``; ``then`` runs after the last."""
 
     works: list = field(default_factory=list)
     then: list[Callable[[], None]] = field(default_factory=list)
@@ -38,15 +45,62 @@ class Pending:
     """What this is, for an error: "unit 'blocks.0': forward gather (all_gather)"."""
     timeout_s: float | None = None
     """FLATFSDP_TIMEOUT as the transport carries it (comm/watchdog.py)."""
+    kind: str = ""
+    """The collective's kind, under which the account books the time waited for it."""
+    _chain: list = field(default_factory=list)
+    """(callbacks of the stage in flight, issue the next stage) pairs, in order."""
+    followed: bool = False
+    """A follow-up stage has been issued: the first stage's inputs are spent."""
+
+    def chain(self, issue: Callable[[], "Pending"]) -> None:
+        """Once what is in flight lands and the callbacks added so far ran,
+        ``issue()`` the next collective; callbacks added after this call run
+        once that one lands."""
+        self._chain.append((self.then, issue))
+        self.then = []
+
+    @property
+    def chained(self) -> bool:
+        """A follow-up collective is still to be issued."""
+        return bool(self._chain)
+
+    def advance(self) -> None:
+        """Issue the follow-ups whose predecessors have landed, without blocking."""
+        while self._chain and all(w.is_completed() for w in self.works):
+            self.next_stage()
+
+    def next_stage(self) -> None:
+        """Wait for the stage in flight, run its callbacks, issue the next."""
+        self._wait_works()
+        callbacks, issue = self._chain.pop(0)
+        for callback in callbacks:
+            callback()
+        following = issue()
+        self.followed = True
+        self.works, self.peers, self.group = following.works, following.peers, following.group
+        self.event, self.timeout_s, self.kind = following.event, following.timeout_s, following.kind
+        if self._chain:  # its own callbacks run before the stage after it
+            after, nxt = self._chain[0]
+            self._chain[0] = (following.then + after, nxt)
+        else:
+            self.then = following.then + self.then
 
     def wait(self) -> None:
-        works, self.works = self.works, []
-        wait_works(works, self.peers, self.group, self.label, self.timeout_s)
-        event, self.event = self.event, None
-        wait_event(event)
+        while self._chain:
+            self.next_stage()
+        self._wait_works()
         callbacks, self.then = self.then, []
         for callback in callbacks:
             callback()
+
+    def _wait_works(self) -> None:
+        works, self.works = self.works, []
+        event, self.event = self.event, None
+        if works or event is not None:
+            start = time.perf_counter()
+            wait_works(works, self.peers, self.group, self.label, self.timeout_s)
+            wait_event(event)
+            comm_account().add_wait(self.kind or "other", time.perf_counter() - start)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -67,6 +121,7 @@ def counted(kind: str, size: int, group: dist.ProcessGroup, transport: Transport
             pending.event = event
         pending.label = f"({kind})"
         pending.timeout_s = transport.timeout_s
+        pending.kind = kind
         return pending
 
 

@@ -2,7 +2,9 @@
 ran, and how many bytes their buffers covered, on this rank -- in total and
 per mesh dimension (``by_dim()``: HSDP's shard and outer traffic apart) --
 and the bytes of the point-to-point messages this rank posted, per peer
-(``sent_by_peer()``: what crosses a link between nodes, see Note [sent bytes])."""
+(``sent_by_peer()``: what crosses a link between nodes, see Note [sent bytes]),
+and how long the host waited for collectives to land (``waited()``: the
+communication the schedule did not hide behind compute)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class CommAccount:
         self._counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         self._by_dim: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self._sent: dict[int, int] = defaultdict(int)
+        self._waited: dict[str, float] = defaultdict(float)
 
     def add(self, kind: str, nbytes: int, dim: str = "world") -> None:
         """``dim``: the mesh dimension the collective ran over."""
@@ -32,11 +35,17 @@ class CommAccount:
         with self._lock:
             self._sent[peer] += nbytes
 
+    def add_wait(self, kind: str, seconds: float) -> None:
+        """The host blocked ``seconds`` waiting for a collective of ``kind`` to land."""
+        with self._lock:
+            self._waited[kind] += seconds
+
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
             self._by_dim.clear()
             self._sent.clear()
+            self._waited.clear()
 
     def by_dim(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{dimension: {kind: {"count", "bytes"}}}``; a dimension is the mesh
@@ -56,6 +65,12 @@ class CommAccount:
         """``{global rank: bytes this rank sent it}`` in point-to-point messages."""
         with self._lock:
             return dict(sorted(self._sent.items()))
+
+    def waited(self) -> dict[str, float]:
+        """``{kind: seconds}`` the host spent blocked on collectives of each kind:
+        exposed communication (a wait that finds the result landed costs ~0)."""
+        with self._lock:
+            return dict(sorted(self._waited.items()))
 
     def total_bytes(self) -> int:
         return sum(entry["bytes"] for entry in self.snapshot().values())

@@ -37,14 +37,17 @@ class GatherPlan:
     travels_alone = False
 
     def __init__(self, layout: GroupLayout, rank: int, unsharded: torch.Tensor, source: torch.Tensor,
-                 source_in_unsharded: bool, transport: Transport, refresh: Callable[[], None]):
+                 source_in_unsharded: bool, transport: Transport, refresh: Callable[[], None],
+                 refresh_early: Callable[[], None] | None = None):
         """``refresh``: brings ``source`` up to date from the main weights (the
-        group's buffers know how: a copy, a cast, HFSDP's outer gather)."""
+        group's buffers know how: a copy, a cast, HFSDP's outer gather, which
+        ``refresh_early`` starts ahead of time)."""
         self.layout, self.rank, self.unsharded = layout, rank, unsharded
         self.source_in_unsharded = source_in_unsharded
         self.source = source
         self.transport = transport
         self.refresh = refresh
+        self.refresh_early = refresh_early or (lambda: None)
         params = layout.params
         self.every = list(range(len(params)))
         self.staged = [i for i in self.every if i not in layout.direct]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flatfsdp.engine.comm import collectives
+from flatfsdp.engine.comm.collectives import Pending
 from flatfsdp.engine.layout.arithmetic import ALIGN, GroupLayout, ParamLayout
 from flatfsdp.engine.layout.block_formats import quantize
 from flatfsdp.engine.layout.switches import Transport
@@ -96,29 +97,35 @@ class OuterShard:
                     chunks.append(local[begin:begin + n])
         return tables, chunks
 
-    def reduce_scatter(self, chunk_sums: torch.Tensor, out: torch.Tensor) -> None:
+    def reduce_scatter(self, chunk_sums: torch.Tensor, out: torch.Tensor) -> Pending:
         """Sum the inner-reduced gradient chunks (inner layout) across the
-        outer group; this rank's piece lands in ``out`` (pieces layout)."""
+        outer group; this rank's piece lands in ``out`` (pieces layout) once
+        the returned collective has."""
         table = torch.zeros(self.outer * self.numel, dtype=chunk_sums.dtype, device=chunk_sums.device)
         tables, chunks = self._pairs(table, chunk_sums)
         if tables:
             torch._foreach_copy_(tables, chunks)
-        collectives.reduce_scatter(out, table, self.group, self.transport).wait()
+        return collectives.reduce_scatter(out, table, self.group, self.transport, async_op=True)
 
-    def all_gather(self, piece: torch.Tensor, chunks_out: torch.Tensor) -> None:
+    def all_gather(self, piece: torch.Tensor, chunks_out: torch.Tensor) -> Pending:
         """Every replica's updated piece (cast to ``chunks_out``'s dtype) into
-        this rank's inner chunk buffer: once per optimizer step."""
+        this rank's inner chunk buffer, once the returned collective has
+        landed: once per optimizer step."""
         table = torch.empty(self.outer * self.numel, dtype=chunks_out.dtype, device=chunks_out.device)
         mine = table[self.rank * self.numel:(self.rank + 1) * self.numel]
         mine.copy_(piece)
-        collectives.all_gather(table, mine, self.group, self.transport).wait()
-        tables, chunks = self._pairs(table, chunks_out)
-        if tables:
-            torch._foreach_copy_(chunks, tables)
+        pending = collectives.all_gather(table, mine, self.group, self.transport, async_op=True)
+
+        def place() -> None:
+            tables, chunks = self._pairs(table, chunks_out)
+            if tables:
+                torch._foreach_copy_(chunks, tables)
+        pending.then.append(place)
+        return pending
 
     # ---- block-scaled weights (param_gather_dtype) --------------------------------------------
 
-    def all_gather_codes(self, piece: torch.Tensor, row, own: torch.Tensor) -> None:
+    def all_gather_codes(self, piece: torch.Tensor, row, own: torch.Tensor) -> Pending:
         """Once per optimizer step: this rank's piece of the main weights as
         codes, scales and plain values, gathered across the outer dimension
         as bytes straight into ``own``, the row the inner gathers send (``row``:
@@ -142,7 +149,16 @@ class OuterShard:
                              scales.piece_view(scale_piece, k))
             for k, i in enumerate(row.plain):
                 plains.piece_view(plain_piece, k).copy_(self.piece_view(piece, i))
-            for shard, part, out in zip((codes, scales, plains), (code_piece, scale_piece, plain_piece),
-                                        row.parts(own)):
-                if shard.numel:
-                    shard.all_gather(part, out)
+            gathers = [shard.all_gather(part, out) for shard, part, out in
+                       zip((codes, scales, plains), (code_piece, scale_piece, plain_piece), row.parts(own))
+                       if shard.numel]
+        return Pending(works=[w for g in gathers for w in g.works], then=[c for g in gathers for c in g.then],
+                       peers=_joined_peers(gathers), group=self.group, label="(outer all_gather)",
+                       timeout_s=self.transport.timeout_s, kind="all_gather")
+
+
+def _joined_peers(pendings: list[Pending]) -> list | None:
+    """The peers of several pairwise exchanges' works, in the same order (None if any is a collective)."""
+    if any(p.peers is None for p in pendings):
+        return None
+    return [peer for p in pendings for peer in p.peers]

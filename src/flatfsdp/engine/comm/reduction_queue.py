@@ -32,6 +32,7 @@ class ReductionQueue:
         self._in_flight: deque[Pending] = deque()
 
     def submit(self, request: ReduceRequest) -> None:
+        self.poll()
         if request.nbytes >= self.bucket_bytes:
             self._issue([request])
             return
@@ -47,6 +48,24 @@ class ReductionQueue:
         while self._open:
             self._issue(self._open.pop(next(iter(self._open))))
 
+    def poll(self) -> None:
+        """Issue the chained follow-ups (HSDP's all-reduce across replicas,
+        HFSDP's outer reduce-scatter) of reductions that have landed, oldest
+        first and never past one that has not: every rank starts them in the
+        same order, so they pair up across ranks whatever each rank's timing."""
+        for pending in self._in_flight:
+            pending.advance()
+            if pending.chained:
+                return
+
+    def drain_until(self, target: Pending) -> None:
+        """Before ``target``'s follow-ups start, every older reduction's have."""
+        for pending in self._in_flight:
+            if pending is target:
+                return
+            while pending.chained:
+                pending.next_stage()
+
     def wait_all(self) -> None:
         with record_function("flatfsdp::wait_reductions"):
             self.flush()
@@ -57,6 +76,23 @@ class ReductionQueue:
         for member in members:
             member.flush = None
         pending = coalesce.reduce(members, async_op=True, stream=self.stream)
+        for member in members:
+            member.drain = lambda: self.drain_until(pending)
         self._in_flight.append(pending)
-        while len(self._in_flight) > self.max_in_flight:
-            self._in_flight.popleft().wait()
+        # Only first stages hold an unsharded gradient buffer: they are what
+        # the bound limits. A reduction whose follow-up travels (a slow outer
+        # link) holds a shard-sized result and does not stop backward.
+        while sum(not p.followed for p in self._in_flight) > self.max_in_flight:
+            self._free_a_slot()
+
+    def _free_a_slot(self) -> None:
+        """Move the oldest first stage on: issue its follow-up (everything older
+        has issued theirs: order kept), or wait for it if it has none."""
+        for pending in self._in_flight:
+            if not pending.followed:
+                if pending.chained:
+                    pending.next_stage()
+                else:
+                    pending.wait()
+                    self._in_flight.remove(pending)
+                return

@@ -61,6 +61,9 @@ class UserAllGather:
     def refresh(self) -> None:
         self.inner.refresh()
 
+    def refresh_early(self) -> None:
+        self.inner.refresh_early()
+
     def local_result(self) -> Pending | None:
         return self.inner.local_result()
 

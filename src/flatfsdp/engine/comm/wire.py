@@ -69,6 +69,10 @@ class GatherCodec(Protocol):
         """This rank's row from the main weights, before a gather that needs it
         (the group decides when: once per optimizer step, or every gather)."""
 
+    def refresh_early(self) -> None:
+        """Start what ``refresh`` needs from other ranks without waiting
+        (HFSDP's gather across the outer dimension); a no-op for most codecs."""
+
     def local_result(self) -> Pending | None:
         """Every rank's row is here already (kept codes): decode, move nothing; None otherwise."""
 

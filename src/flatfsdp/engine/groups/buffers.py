@@ -142,6 +142,7 @@ class GroupBuffers(GradientBuffers):
         super().__init__(layout, placement, index=index, device=device, main_dtype=main_dtype,
                          reduce_dtype=reduce_dtype, trainable=trainable, offload=offload, wire=wire)
         self._allocate_weights(device, compute_dtype, main_dtype)
+        self._outer_gather = None
         self.gather_codec = wire.gather_codec(self)
         """How the weights travel (comm/wire.py; None: replicated, nothing does).
         A user's FSDP2 AllGather may wrap it."""
@@ -170,6 +171,14 @@ class GroupBuffers(GradientBuffers):
         # Replicated, S == N and the local layout is the unsharded one.
         self.main_in_unsharded = place.keep_model_weights and same
 
+    def refresh_early(self) -> None:
+        """HFSDP: start gathering every replica's piece of the updated weights
+        across the outer dimension now (a slow inter-node link: it travels
+        while earlier units compute); ``refresh_gather_source`` waits for it."""
+        if self.outer_shard is not None and self.model_local is not None and self._outer_gather is None:
+            with torch.no_grad():
+                self._outer_gather = self.outer_shard.all_gather(self.main, self.model_local)
+
     def refresh_gather_source(self) -> None:
         """What a plain gather sends, from the main weights (once per optimizer
         step): ZeRO-3's compute-dtype shard (HFSDP: gathered across the outer
@@ -177,7 +186,9 @@ class GroupBuffers(GradientBuffers):
         with torch.no_grad():
             if self.model_local is not None:
                 if self.outer_shard is not None:
-                    self.outer_shard.all_gather(self.main, self.model_local)
+                    self.refresh_early()
+                    self._outer_gather, pending = None, self._outer_gather
+                    pending.wait()
                 elif self.model_local is not self.main:
                     self.model_local.copy_(self.main, non_blocking=self.offload is not None)
             elif not self.main_in_unsharded:

@@ -169,14 +169,24 @@ class GroupGradients:
         outer_now = b.outer_pg is not None and all_reduce and not (defer_to_step and len(self.bound_optimizers))
         if outer_now and not self._outer_due and b.outer_shard is None:
             # Only this backward's sums lack the replicas': the request
-            # all-reduces just them (coalesced with the rest of its bucket).
+            # all-reduces just them (coalesced with the rest of its bucket),
+            # chained after the reduce-scatter, never blocking (Pending.chain).
             request.outer = b.outer_pg
+        piece = None
+        if b.outer_shard is not None and outer_now and self._inner_partial is None:
+            # HFSDP with nothing summed from earlier microbatches: the outer
+            # reduce-scatter follows the inner one as a chained stage.
+            piece = torch.empty(b.outer_shard.numel, dtype=request.output.dtype, device=request.output.device)
+            inner_sums = request.output
+            request.follow = lambda: b.outer_shard.reduce_scatter(inner_sums, piece)
+        if b.placement.sharded and (accum is b.scratch_grad or not b.placement.keep_grad_buffer):
+            request.landed.append(accum.free)  # reduced: the follow-up needs only the (shard-sized) output
         # The callback names the output, not the request: a request holding a
         # closure over itself is a reference cycle, and its output (a fresh
         # shard-sized buffer for HFSDP and bf16 reductions) would then live
         # until Python's cycle collector ran, not until delivered.
         output = request.output
-        request.then.append(lambda: self._finish(accum, output, has_data, divisor, outer_now))
+        request.then.append(lambda: self._finish(accum, output, has_data, divisor, outer_now, piece))
         if hook is not None:
             request.then.append(lambda: hook(b.main_grad))
         self._inflight = request
@@ -215,10 +225,12 @@ class GroupGradients:
             self._inflight.wait()
 
     def _finish(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, divisor: float,
-                outer_now: bool) -> None:
+                outer_now: bool, piece: torch.Tensor | None = None) -> None:
         self._inflight = None
         if self.buffers.outer_shard is None:
             self._deliver(result, has_data, divisor, outer_now)
+        elif piece is not None:  # HFSDP, its outer reduce-scatter chained: landed in ``piece``
+            self._deliver(piece, self.has_data(), divisor)
         else:
             # HFSDP: sum inner-reduced chunks until the outer reduce-scatter is due.
             if self._inner_partial is None:
@@ -238,7 +250,7 @@ class GroupGradients:
         partial, self._inner_partial = self._inner_partial, None
         outer_shard = self.buffers.outer_shard
         piece = torch.empty(outer_shard.numel, dtype=partial.dtype, device=partial.device)
-        outer_shard.reduce_scatter(partial, piece)
+        outer_shard.reduce_scatter(partial, piece).wait()
         return piece
 
     def _deliver(self, result: torch.Tensor, has_data: bool, divisor: float, outer_now: bool = True) -> None:

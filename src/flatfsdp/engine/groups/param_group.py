@@ -175,6 +175,15 @@ class ParamGroup(GroupCore):
             return None
         return GatherRequest(b.gather_codec, b.pg, then=[self.mark_synced] if kept else [])
 
+    def refresh_early(self) -> None:
+        """A new step begins: start what bringing the gathered weights up to date
+        needs from other ranks (HFSDP's outer gather), if they are stale and
+        nothing gathers them yet; the group's gather waits for it. Every rank
+        decides alike (the stamp moves with the same steps everywhere)."""
+        codec = self.buffers.gather_codec
+        if codec is not None and not self._unsharded and not self.in_sync():
+            codec.refresh_early()
+
     def reshard(self, free_storage: bool = True, keep_codes: bool = False) -> None:
         """Release the gathered weights (ZeRO-3 only; the others keep them).
         ``free_storage=False`` keeps their storage allocated (FSDP2's

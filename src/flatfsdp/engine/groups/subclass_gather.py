@@ -115,6 +115,9 @@ class SubclassGatherPlan:
         """Before every gather: the subclass decides what travels each time."""
         self.prepare(self._locals())
 
+    def refresh_early(self) -> None:
+        """The pre-all-gathers run at the gather itself (their inputs may change until then)."""
+
     def local_result(self) -> Pending | None:
         return None
 

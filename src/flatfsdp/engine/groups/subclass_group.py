@@ -142,6 +142,9 @@ class SubclassGroup(GroupCore):
         codec.refresh()  # the pre-all-gathers: before every gather
         return GatherRequest(codec, self.buffers.pg, then=[self._gathered])
 
+    def refresh_early(self) -> None:
+        """Nothing to start ahead: the subclass's pre-all-gather runs at the gather."""
+
     def _gathered(self) -> None:
         self.mark_synced()
         for index, param in enumerate(self.plan.unsharded):

@@ -59,7 +59,8 @@ class WireChoice:
                                      keep_codes=not place.keep_model_weights)
         kept = place.keep_model_weights
         return GatherPlan(b.layout, b.index, b.unsharded.data, b.unsharded.data if kept else b.model_local,
-                          source_in_unsharded=kept, transport=self.transport, refresh=b.refresh_gather_source)
+                          source_in_unsharded=kept, transport=self.transport, refresh=b.refresh_gather_source,
+                          refresh_early=b.refresh_early)
 
     def reduce_codec(self) -> ReduceCodec:
         if self.grad_format is not None:

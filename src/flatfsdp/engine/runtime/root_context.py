@@ -38,6 +38,7 @@ class ScheduledUnit(Protocol):
     options: ShardOptions
     gathered_bytes: int
     forward_in_progress: bool
+    initialized: bool
 
     def needs_post_backward(self) -> bool: ...
     def post_backward(self, *, defer_reduction: bool = False) -> None: ...
@@ -45,6 +46,7 @@ class ScheduledUnit(Protocol):
     def finish_forward(self, context: "RootContext") -> None: ...
     def forget_forward(self) -> None: ...
     def reshard(self) -> None: ...
+
 
 MAX_REDUCTIONS_IN_FLIGHT = 2
 """Each in-flight reduction holds an unsharded gradient buffer; two let one
@@ -203,6 +205,14 @@ class RootContext:
         for state in self.states:
             for group in state.groups:
                 group.gradients.release_consumed()
+        # HFSDP: every unit's updated weights start across the outer (slow,
+        # inter-node) dimension now, in unit order, and travel while the
+        # forward computes; each unit's gather waits for its own. (Not before
+        # a unit's first use: its deferred initialisation writes the weights then.)
+        for state in self.states:
+            if state.initialized:
+                for group in state.groups:
+                    group.refresh_early()
         if self._on_host:
             release_free_host_memory(self.switches.malloc_trim)
 

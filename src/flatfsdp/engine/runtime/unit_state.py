@@ -113,6 +113,11 @@ class UnitState:
             self.deferred.first_use_seen = True
 
     @property
+    def initialized(self) -> bool:
+        """Its first use is behind it: parameters adopted, deferred initialisation run."""
+        return self.deferred.first_use_seen and not self.deferred.pending
+
+    @property
     def is_gathered(self) -> bool:
         """The module holds the gathered parameters (or they are on their way)."""
         return self._swapped_in
