@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 import flatfsdp
-from flatfsdp.models.gpt import lm_loss
 from harness import run_ranks
-from training import batches, global_mean, local_slice, make_model, make_optimizer
+from training import batches, make_model, make_optimizer, train_sharded
 
 STEPS = 4
 
@@ -66,14 +65,7 @@ def _train(fully_shard, custom: bool, rank: int, world: int, **kw):
             unit.set_custom_all_gather(ag)
             unit.set_custom_reduce_scatter(rs)
     opt = make_optimizer("adamw", model.named_parameters())
-    losses = []
-    for x in batches(STEPS, seed=7):
-        x = local_slice(x, rank, world)
-        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
+    losses = train_sharded(model, opt, rank, world, batches(STEPS, seed=7))
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     return losses, full, (ag.calls, ag.allocations, ag.bytes), (rs.calls, rs.allocations, sorted(rs.ops))
 
