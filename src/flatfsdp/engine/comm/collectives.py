@@ -25,7 +25,7 @@ from flatfsdp.engine.comm.torch_collectives import all_gather_single, reduce_sca
 from flatfsdp.engine.comm.watchdog import wait_works
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the reduction queue finds a Pending among others by what it is
 class Pending:
     """A collective in flight, plus the work to do once it lands.
 

@@ -60,6 +60,8 @@ class ReductionQueue:
 
     def drain_until(self, target: Pending) -> None:
         """Before ``target``'s follow-ups start, every older reduction's have."""
+        if not any(pending is target for pending in self._in_flight):
+            return  # waited for already: nothing older is owed
         for pending in self._in_flight:
             if pending is target:
                 return
