@@ -1,0 +1,61 @@
+"""Megatron-FSDP's keywords on a bound optimizer's ``step`` and ``zero_grad``.
+
+``megatron_fsdp.fully_shard_optimizer`` replaces the optimizer's ``step`` and
+``zero_grad`` with closures set on the instance; flatfsdp sets nothing on it
+(tests/test_no_global_state.py). ``step``'s keywords go through the
+optimizer's own step pre-hook, which may rewrite the call's arguments
+(optimizer.py installs it); ``zero_grad`` has no hook, so the optimizer's
+class becomes a subclass of its own -- same name, every method its own but
+``zero_grad`` -- as a sharded module's class does (FSDP2's class swap).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flatfsdp.engine.front.megatron_model import megatron_views_of
+
+_CLASS_CACHE: dict[type, type] = {}
+STEP_KEYWORDS = ("sync_grad_before_optimizer_step", "install_optimized_model_weights")
+
+
+class MegatronOptimizerMixin:
+    """``zero_grad(..., zero_grad_buffer=True)``: as the optimizer's own, then
+    (by default) the models' ``zero_grad_buffer()`` -- every gradient of the
+    step forgotten, those still accumulating or in flight included."""
+
+    def zero_grad(self, *args: Any, zero_grad_buffer: bool = True, **kwargs: Any) -> None:
+        super().zero_grad(*args, **kwargs)
+        if zero_grad_buffer:
+            for view in megatron_views_of(self._all_params()):
+                view.zero_grad_buffer()
+
+    def _all_params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+
+def take_megatron_keywords(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.zero_grad`` take ``zero_grad_buffer=`` (its class swapped once)."""
+    cls = type(optimizer)
+    if issubclass(cls, MegatronOptimizerMixin):
+        return
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(cls.__name__, (MegatronOptimizerMixin, cls),
+                                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    optimizer.__class__ = _CLASS_CACHE[cls]
+
+
+def before_megatron_step(optimizer: torch.optim.Optimizer, kwargs: dict) -> tuple[dict, bool]:
+    """Strip Megatron-FSDP's step keywords from the call; without auto-sync
+    (and unless ``sync_grad_before_optimizer_step=False``) finish the models'
+    gradient synchronisation first, as Megatron-FSDP's step does. Returns
+    the keywords left for the optimizer and ``install_optimized_model_weights``."""
+    kwargs = dict(kwargs)
+    sync = kwargs.pop("sync_grad_before_optimizer_step", True)
+    install = kwargs.pop("install_optimized_model_weights", True)
+    for view in megatron_views_of(p for g in optimizer.param_groups for p in g["params"]):
+        if sync and not view.model_auto_sync:
+            view.finish_grad_sync()
+    return kwargs, bool(install)
