@@ -23,7 +23,7 @@ from flatfsdp.engine.runtime.tied_params import params_used_outside
 
 
 def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer | None = None,
-                # Megatron-FSDP's parameters, in its positional order (megatron_compat.POSITIONAL):
+                # Megatron-FSDP's parameters, in its positional order (keywords.MEGATRON_KEYWORDS):
                 device_mesh: DeviceMesh | None = None, dp_shard_dim: str | None = None,
                 dp_outer_dim: str | None = None, tp_dim: str | None = None, hybrid_fsdp_group: Any = None,
                 hybrid_fsdp_expt_group: Any = None, expt_device_mesh: DeviceMesh | None = None,
@@ -97,7 +97,7 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
 
 
 def fully_shard_model(module: nn.Module,
-                      # Megatron-FSDP's parameters, in its positional order (megatron_compat.POSITIONAL):
+                      # Megatron-FSDP's parameters, in its positional order (keywords.MEGATRON_KEYWORDS):
                       device_mesh: DeviceMesh | None = None, dp_shard_dim: str | None = None,
                       dp_outer_dim: str | None = None, tp_dim: str | None = None, hybrid_fsdp_group: Any = None,
                       hybrid_fsdp_expt_group: Any = None, expt_device_mesh: DeviceMesh | None = None,

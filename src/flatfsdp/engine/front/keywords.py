@@ -51,6 +51,36 @@ ACCEPTED_NO_OPS: dict[str, str] = {
 """Megatron-FSDP keywords accepted for drop-in compatibility that change
 nothing here, each with the reason (docs/megatron.md lists them too). Those
 given as process groups are still checked to be process groups."""
+MEGATRON_KEYWORDS = (
+    "device_mesh", "dp_shard_dim", "dp_outer_dim", "tp_dim", "hybrid_fsdp_group", "hybrid_fsdp_expt_group",
+    "expt_device_mesh", "fsdp_group_ag", "expt_fsdp_group_ag", "fsdp_unit_modules", "zero_dp_strategy",
+    "outer_dp_sharding_strategy", "device", "init_model_with_meta_device", "mixed_precision_policy",
+    "overlap_grad_reduce", "overlap_param_gather", "sync_model_each_microbatch", "preproc_state_dict_for_dcp_ckpt",
+    "report_nan_in_param_grad", "average_in_collective", "disable_bucketing", "calculate_per_token_loss",
+    "keep_fp8_transpose_cache", "nccl_ub", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail",
+    "disable_symmetric_registration", "enable_fine_grained_param_gather", "use_decoupled_grad", "cuda_graph_mode",
+    "maxpool_double_buffer")
+"""megatron_fsdp.fully_shard_model's parameters after ``module`` (0.6.1 and
+Megatron-LM main), in its positional order; ``fully_shard`` takes ``optimizer``
+between. The front doors take them in this order too."""
+MEGATRON_READ = {
+    "device_mesh": "the mesh (with dp_shard_dim / dp_outer_dim / tp_dim: its dimensions)",
+    "dp_shard_dim": "the dimension chunks are split over", "dp_outer_dim": "HSDP's replica dimension",
+    "tp_dim": "checked to be a dimension of the mesh (DTensor parameters carry their own mesh)",
+    "hybrid_fsdp_group": "checked against dp_outer x dp_shard", "expt_device_mesh": "expert parameters' mesh",
+    "fsdp_unit_modules": "the units", "zero_dp_strategy": "ZeRO-0..3",
+    "outer_dp_sharding_strategy": "HFSDP (optim) or HSDP (no_shard)",
+    "device": "checked to agree with the mesh", "init_model_with_meta_device": "a confirmation: flatfsdp "
+    "finds meta parameters itself and initialises them unit by unit (reset_parameters(), else "
+    "_reset_parameters())",
+    "mixed_precision_policy": "layout/precision.from_megatron_policy, field by field",
+    "sync_model_each_microbatch": "reductions waited each backward, or left in flight for the step",
+    "report_nan_in_param_grad": "NaN/inf gradients raise NonFiniteError (on_nonfinite='error')",
+    "disable_bucketing": "no coalescing of small collectives (bucket_bytes=0)",
+    "calculate_per_token_loss": "gradients summed, not averaged over data-parallel ranks",
+    "use_decoupled_grad": "False; True is refused (only TransformerEngine's FusedAdam reads decoupled_grad)",
+}
+"""The Megatron keywords the engine reads, and how (the rest are ACCEPTED_NO_OPS)."""
 _CHECKED = {"device"}  # accepted when it agrees with the mesh (see mesh.check_device)
 _MAPPED = {"mesh", "strategy", "policy", "expert_mesh", "offload", "reshard_after_forward", "average_grads",
            "sync_each_microbatch", "bucket_bytes", "shard_block", "ignored", "require_shardable", "replica_values",

@@ -18,7 +18,6 @@ import torch
 from flatfsdp.engine.front.megatron_model import megatron_views_of
 
 _CLASS_CACHE: dict[type, type] = {}
-STEP_KEYWORDS = ("sync_grad_before_optimizer_step", "install_optimized_model_weights")
 
 
 class MegatronOptimizerMixin:
@@ -47,15 +46,19 @@ def take_megatron_keywords(optimizer: torch.optim.Optimizer) -> None:
     optimizer.__class__ = _CLASS_CACHE[cls]
 
 
-def before_megatron_step(optimizer: torch.optim.Optimizer, kwargs: dict) -> tuple[dict, bool]:
-    """Strip Megatron-FSDP's step keywords from the call; without auto-sync
-    (and unless ``sync_grad_before_optimizer_step=False``) finish the models'
-    gradient synchronisation first, as Megatron-FSDP's step does. Returns
-    the keywords left for the optimizer and ``install_optimized_model_weights``."""
+def before_megatron_step(optimizer: torch.optim.Optimizer, kwargs: dict) -> dict:
+    """Strip Megatron-FSDP's step keywords from the call and return the rest.
+    ``sync_grad_before_optimizer_step`` (default True): without auto-sync,
+    finish the models' gradient synchronisation first, as Megatron-FSDP's step
+    does (False skips only that: reductions in flight are waited for anyway,
+    the optimizer must not read half-reduced gradients).
+    ``install_optimized_model_weights`` changes nothing: flatfsdp derives the
+    model weights from the main weights before their next use whenever these
+    changed, so there is no copy to defer (docs/megatron.md)."""
     kwargs = dict(kwargs)
     sync = kwargs.pop("sync_grad_before_optimizer_step", True)
-    install = kwargs.pop("install_optimized_model_weights", True)
+    kwargs.pop("install_optimized_model_weights", None)
     for view in megatron_views_of(p for g in optimizer.param_groups for p in g["params"]):
         if sync and not view.model_auto_sync:
             view.finish_grad_sync()
-    return kwargs, bool(install)
+    return kwargs

@@ -116,22 +116,15 @@ def _model_parameters(model: nn.Module) -> tuple[dict, dict]:
 
 def _install_hooks(optimizer: torch.optim.Optimizer, groups: list, megatron: bool) -> None:
     """``megatron``: the step also takes Megatron-FSDP's keywords (megatron_optimizer.py)."""
-    install = [True]
-
     def before_step(opt, args, kwargs):
-        rewritten = None
-        if megatron:
-            kwargs, install[0] = before_megatron_step(opt, kwargs)
-            rewritten = (args, kwargs)
+        rewritten = (args, before_megatron_step(opt, kwargs)) if megatron else None
         for group in groups:
             group.gradients.complete()
         return rewritten
 
     def after_step(*_):
-        if install[0]:
-            for group in groups:
-                group.note_weights_written()
-        install[0] = True
+        for group in groups:
+            group.note_weights_written()
 
     def create_state(opt):
         if not opt.state and any(p.requires_grad for g in opt.param_groups for p in g["params"]):
