@@ -36,7 +36,8 @@ MEMBERS = frozenset({
     "start_param_sync", "start_grad_sync", "finish_grad_sync", "synchronize_param_gather",
     "synchronize_gradient_reduce", "attach_grad_to_optimizer_state", "scale_gradients", "broadcast_params",
     "install_optimized_model_weights", "all_gather_and_wait_parameters_ready"})
-"""Megatron-FSDP's ``MegatronFSDP`` members flatfsdp answers (no_sync is FSDPModule's own)."""
+"""Megatron-FSDP's ``MegatronFSDP`` members flatfsdp answers (no_sync is FSDPModule's own;
+finish_grad_sync, FSDPModule's too, is overridden by MegatronMembers' own, a superset)."""
 _WRITABLE = frozenset({"model_auto_sync", "microbatch_count"})
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -66,6 +67,12 @@ class MegatronMembers:
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | MEMBERS)
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        """Megatron-FSDP's (``MegatronView.finish_grad_sync``), where FSDPModule
+        has its own: it does what FSDPModule's does (wait for the reductions in
+        flight) and also reduces what backwards accumulated without communicating."""
+        self.__dict__["_flatfsdp_megatron"].finish_grad_sync(force_all_reduce)
 
 
 class FsdpParamMarker:
