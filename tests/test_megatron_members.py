@@ -112,7 +112,13 @@ def members_worker(rank, world, strategy):
                               for i, p in enumerate(g.sharded_params))
     model.all_gather_and_wait_parameters_ready([model.blocks[0].fc.weight])
     out["gathered"] = model.blocks[0]._flatfsdp_state.is_gathered
-    model(x)
+    # zero_grad(set_to_none=False) keeps .grad (zeroed); the next backward's gradients are as from None.
+    mse_loss(model(x), y).backward()
+    first = _full_grads(model)
+    optimizer.zero_grad(set_to_none=False)
+    out["kept_zero"] = all(p.grad is not None and not p.grad.to_local().any() for p in model.parameters())
+    mse_loss(model(x), y).backward()
+    out["same_again"] = all(torch.equal(first[n], g) for n, g in _full_grads(model).items())
     return out
 
 
@@ -133,6 +139,7 @@ def test_megatron_members_on_the_one_call_model(strategy):
         assert out["zeroed"]
         assert out["views"] and all(all(v) for v in out["views"]), out["views"]
         assert out["kept_current"] and out["gathered"]
+        assert out["kept_zero"] and out["same_again"]
 
 
 def names_worker(rank, world):

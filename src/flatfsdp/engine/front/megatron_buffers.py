@@ -93,8 +93,10 @@ class DistributedIndex:
         self.expt_device_mesh = given.get("expt_device_mesh")
         self.fsdp_group = mesh.shard.get_group()
         self.outer_fsdp_group = mesh.outer.get_group() if mesh.outer is not None else None
-        self.hybrid_fsdp_group = given.get("hybrid_fsdp_group") or (
-            mesh.spmd.get_group() if mesh.outer is None else _flat_group(mesh.spmd))
+        hybrid = given.get("hybrid_fsdp_group")
+        if hybrid is None:
+            hybrid = mesh.shard.get_group() if mesh.outer is None else _flat_group(mesh.spmd)
+        self.hybrid_fsdp_group = hybrid
         self.hybrid_fsdp_expt_group = given.get("hybrid_fsdp_expt_group")
         expert = options.expert_mesh
         self.expt_fsdp_group = expert.shard.get_group() if expert is not None else None

@@ -245,11 +245,13 @@ class MegatronView:
         self.synchronize_gradient_reduce()
         self._backwards_at_sync = self._backwards()
 
-    def zero_grad_buffer(self) -> None:
-        """Forget this step's gradients: accumulated, in flight, reduced; ``.grad`` becomes None."""
+    def zero_grad_buffer(self, keep_grads: bool = False) -> None:
+        """Forget this step's gradients: accumulated, in flight, reduced; ``.grad``
+        becomes None (``keep_grads``: stays, zeroed -- an optimizer's
+        ``zero_grad(set_to_none=False)`` asked for that)."""
         for state in self.states():
             for group in state.groups:
-                group.gradients.discard()
+                group.gradients.discard(keep_grads)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient held (reduced or still accumulating) by ``scaling_factor``."""

@@ -28,8 +28,11 @@ class MegatronOptimizerMixin:
     def zero_grad(self, *args: Any, zero_grad_buffer: bool = True, **kwargs: Any) -> None:
         super().zero_grad(*args, **kwargs)
         if zero_grad_buffer:
+            # set_to_none=False keeps the .grad tensors (zeroed), as the optimizer's own zero_grad
+            # does; Megatron-FSDP drops them anyway, flatfsdp keeps what the caller asked for.
+            set_to_none = args[0] if args else kwargs.get("set_to_none", True)
             for view in megatron_views_of(self._all_params()):
-                view.zero_grad_buffer()
+                view.zero_grad_buffer(keep_grads=not set_to_none)
 
     def _all_params(self):
         return [p for group in self.param_groups for p in group["params"]]

@@ -225,11 +225,12 @@ class GroupGradients:
                 b.main_grad.mul_(factor)
                 b.sync_optimizer_grad()
 
-    def discard(self) -> None:
+    def discard(self, keep_grads: bool = False) -> None:
         """Forget every gradient of the step so far (Megatron-FSDP's
         ``zero_grad_buffer``): reductions in flight land and are dropped, the
         local accumulation is dropped, the main grads are zeroed and the
-        optimizer's ``.grad`` set to None -- the next backward starts from zero."""
+        optimizer's ``.grad`` set to None -- the next backward starts from
+        zero. ``keep_grads``: ``.grad`` stays, zeroed (``zero_grad(set_to_none=False)``)."""
         if not self.trainable:
             return
         self.complete()
@@ -240,8 +241,9 @@ class GroupGradients:
             self._accum = None
         self._used = [False] * len(self.params)
         self._outer_due = False
-        for sp in self.sharded_params:
-            sp.grad = None
+        if not keep_grads:
+            for sp in self.sharded_params:
+                sp.grad = None
         with torch.no_grad():
             if b.main_grad_buffer is None or b.main_grad_buffer.is_allocated:
                 b.main_grad.zero_()
