@@ -219,8 +219,26 @@ def hfsdp_worker(rank, world, outer):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    index = model.dist_index
+    sizes = (index.get_dp_group().size(), index.get_fsdp_group().size(), index.get_outer_fsdp_group().size(),
+             index.use_hybrid_fsdp, model.ddp_config.outer_dp_sharding_strategy)
+    return losses, sizes
 
 
 def test_hfsdp_over_a_single_replica_trains_as_fsdp():
-    assert run_ranks(hfsdp_worker, 2, "optim") == run_ranks(hfsdp_worker, 2, "no_shard")
+    hfsdp, hsdp = run_ranks(hfsdp_worker, 2, "optim"), run_ranks(hfsdp_worker, 2, "no_shard")
+    assert [losses for losses, _ in hfsdp] == [losses for losses, _ in hsdp]
+    assert all(sizes == (2, 2, 1, True, "no_shard") for _, sizes in hfsdp + hsdp)  # one replica: nothing to split
+
+
+def hsdp_index_worker(rank, world):
+    """HSDP without hybrid_fsdp_group (Megatron-FSDP needs it, flatfsdp derives it): made at first use."""
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("outer", "shard"))
+    model = flatfsdp.fully_shard_model(_net(), device_mesh=mesh, dp_shard_dim="shard", dp_outer_dim="outer",
+                                       fsdp_unit_modules=[Block])
+    index = model.get_distributed_index()
+    return index.get_dp_group().size(), index.get_fsdp_group().size(), index.get_outer_fsdp_group().size()
+
+
+def test_the_distributed_index_of_hsdp_without_a_hybrid_group():
+    assert run_ranks(hsdp_index_worker, 2) == [(2, 1, 2)] * 2

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from flatfsdp.engine.comm.fingerprint import take_first_replica, value_check_mode, warn_first_replica_taken
 from flatfsdp.engine.front.keywords import shard_options
 from flatfsdp.engine.front.megatron_model import adopt_megatron_members
 from flatfsdp.engine.front.optimizer import fully_shard_optimizer
-from flatfsdp.engine.comm.fingerprint import take_first_replica, value_check_mode, warn_first_replica_taken
 from flatfsdp.engine.front.shard_unit import is_expert, shard_unit
-from flatfsdp.engine.layout.mesh import mesh_device
 from flatfsdp.engine.front.unit_classes import resolve_unit_classes
+from flatfsdp.engine.layout.mesh import mesh_device
 from flatfsdp.engine.layout.options import ShardOptions
 from flatfsdp.engine.layout.strategy import ShardingStrategy
 from flatfsdp.engine.runtime.tied_params import params_used_outside
@@ -53,7 +53,9 @@ def fully_shard(module: nn.Module | list[nn.Module], optimizer: torch.optim.Opti
 
     * ``fully_shard(model, optimizer, fsdp_unit_modules=[Block], ...)`` shards every
       ``Block`` and then the root, binds ``optimizer``, returns ``(model, optimizer)``
-      (Megatron-FSDP style; without an optimizer it returns the model).
+      (Megatron-FSDP style; without an optimizer it returns the model). Every
+      keyword of ``megatron_fsdp.fully_shard``, in its positional order; the
+      model answers ``MegatronFSDP``'s members (docs/megatron.md).
     * ``fully_shard(block, mesh=..., mp_policy=..., reshard_after_forward=...)`` shards
       one unit and returns it (PyTorch FSDP2 style; call bottom-up, then on the root).
       A list of modules becomes one unit (gathered and reduced together).

@@ -81,7 +81,6 @@ MEGATRON_READ = {
     "use_decoupled_grad": "False; True is refused (only TransformerEngine's FusedAdam reads decoupled_grad)",
 }
 """The Megatron keywords the engine reads, and how (the rest are ACCEPTED_NO_OPS)."""
-_CHECKED = {"device"}  # accepted when it agrees with the mesh (see mesh.check_device)
 _MAPPED = {"mesh", "strategy", "policy", "expert_mesh", "offload", "reshard_after_forward", "average_grads",
            "sync_each_microbatch", "bucket_bytes", "shard_block", "ignored", "require_shardable", "replica_values",
            "switches", "on_nonfinite"}
@@ -95,7 +94,7 @@ def shard_options(module: Any, given: dict[str, Any], extra: dict[str, Any], *, 
     ``extra``: what arrived through ``**kwargs``. ``per_module``: FSDP2's
     form (``fully_shard(module, mesh=...)``), which refuses what FSDP2
     refuses and warns where FSDP2 is silent."""
-    unknown = set(extra) - set(ACCEPTED_NO_OPS) - _CHECKED
+    unknown = set(extra) - set(ACCEPTED_NO_OPS)
     if unknown:
         raise TypeError(f"fully_shard got unexpected keyword argument(s) {sorted(unknown)}")
     g = {**extra, **given}

@@ -93,16 +93,23 @@ class DistributedIndex:
         self.expt_device_mesh = given.get("expt_device_mesh")
         self.fsdp_group = mesh.shard.get_group()
         self.outer_fsdp_group = mesh.outer.get_group() if mesh.outer is not None else None
-        hybrid = given.get("hybrid_fsdp_group")
-        if hybrid is None:
-            hybrid = mesh.shard.get_group() if mesh.outer is None else _flat_group(mesh.spmd)
-        self.hybrid_fsdp_group = hybrid
+        self._hybrid_fsdp_group = given.get("hybrid_fsdp_group")
+        self._spmd = mesh.spmd
         self.hybrid_fsdp_expt_group = given.get("hybrid_fsdp_expt_group")
         expert = options.expert_mesh
         self.expt_fsdp_group = expert.shard.get_group() if expert is not None else None
         self.expt_outer_fsdp_group = None
         self.fsdp_group_ag = given.get("fsdp_group_ag")
         self.expt_fsdp_group_ag = given.get("expt_fsdp_group_ag")
+
+    @property
+    def hybrid_fsdp_group(self):
+        """Every data-parallel rank's group: the one given, else (HSDP) made
+        from the mesh at first use -- a collective, so every rank must ask
+        (as Megatron-LM does); without HSDP, the shard group."""
+        if self._hybrid_fsdp_group is None:
+            self._hybrid_fsdp_group = self.fsdp_group if not self.use_hybrid_fsdp else _flat_group(self._spmd)
+        return self._hybrid_fsdp_group
 
     def get_dp_group(self, is_expert_parallel: bool = False):
         """Every data-parallel rank (the hybrid group with HSDP)."""
