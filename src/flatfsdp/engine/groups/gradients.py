@@ -228,9 +228,11 @@ class GroupGradients:
     def discard(self, keep_grads: bool = False) -> None:
         """Forget every gradient of the step so far (Megatron-FSDP's
         ``zero_grad_buffer``): reductions in flight land and are dropped, the
-        local accumulation is dropped, the main grads are zeroed and the
-        optimizer's ``.grad`` set to None -- the next backward starts from
-        zero. ``keep_grads``: ``.grad`` stays, zeroed (``zero_grad(set_to_none=False)``)."""
+        local accumulation is dropped and the optimizer's ``.grad`` set to
+        None, so the next reduction overwrites the main grads (zeroing them
+        first would be a memset per step for nothing; ZeRO-2/3 release them
+        at the next forward anyway). ``keep_grads``: ``.grad`` stays,
+        zeroed, and the next reduction sums into it (``zero_grad(set_to_none=False)``)."""
         if not self.trainable:
             return
         self.complete()
@@ -244,6 +246,7 @@ class GroupGradients:
         if not keep_grads:
             for sp in self.sharded_params:
                 sp.grad = None
+            return
         with torch.no_grad():
             if b.main_grad_buffer is None or b.main_grad_buffer.is_allocated:
                 b.main_grad.zero_()
