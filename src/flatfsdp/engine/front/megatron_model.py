@@ -245,13 +245,18 @@ class MegatronView:
         self.synchronize_gradient_reduce()
         self._backwards_at_sync = self._backwards()
 
-    def zero_grad_buffer(self, keep_grads: bool = False) -> None:
+    def zero_grad_buffer(self, keep_grads: bool = False, params=None) -> None:
         """Forget this step's gradients: accumulated, in flight, reduced; ``.grad``
         becomes None (``keep_grads``: stays, zeroed -- an optimizer's
-        ``zero_grad(set_to_none=False)`` asked for that)."""
+        ``zero_grad(set_to_none=False)`` asked for that). ``params``: only the
+        groups whose parameters are all among them (a bound optimizer's
+        zero_grad: another optimizer may step the rest of the model, and a
+        group's gradients are one buffer)."""
+        ids = None if params is None else {id(p) for p in params}
         for state in self.states():
             for group in state.groups:
-                group.gradients.discard(keep_grads)
+                if ids is None or all(id(p) in ids for p in group.sharded_params):
+                    group.gradients.discard(keep_grads)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient held (reduced or still accumulating) by ``scaling_factor``."""

@@ -23,7 +23,8 @@ _CLASS_CACHE: dict[type, type] = {}
 class MegatronOptimizerMixin:
     """``zero_grad(..., zero_grad_buffer=True)``: as the optimizer's own, then
     (by default) the models' ``zero_grad_buffer()`` -- every gradient of the
-    step forgotten, those still accumulating or in flight included."""
+    step forgotten, those still accumulating or in flight included -- for the
+    param groups this optimizer steps whole (with one optimizer: the model)."""
 
     def zero_grad(self, *args: Any, zero_grad_buffer: bool = True, **kwargs: Any) -> None:
         super().zero_grad(*args, **kwargs)
@@ -31,8 +32,9 @@ class MegatronOptimizerMixin:
             # set_to_none=False keeps the .grad tensors (zeroed), as the optimizer's own zero_grad
             # does; Megatron-FSDP drops them anyway, flatfsdp keeps what the caller asked for.
             set_to_none = args[0] if args else kwargs.get("set_to_none", True)
-            for view in megatron_views_of(self._all_params()):
-                view.zero_grad_buffer(keep_grads=not set_to_none)
+            params = self._all_params()
+            for view in megatron_views_of(params):
+                view.zero_grad_buffer(keep_grads=not set_to_none, params=params)
 
     def _all_params(self):
         return [p for group in self.param_groups for p in group["params"]]
