@@ -322,9 +322,10 @@ class MegatronView:
         weights' and grads' dtypes stay, and so does the gradient
         communication dtype -- flatfsdp allocated the reduction buffers in it.
         A different ``grad_comm_dtype`` is named in a warning, not taken."""
-        wanted = getattr(mixed_precision_policy, "grad_comm_dtype",
-                         getattr(mixed_precision_policy, "reduce_dtype", None))
-        current = self._engine_policy.reduce_dtype
+        policy = mixed_precision_policy
+        # flatfsdp's and torch's policies name it reduce_dtype, Megatron-FSDP's grad_comm_dtype.
+        wanted = getattr(policy, "reduce_dtype" if hasattr(policy, "param_dtype") else "grad_comm_dtype", None)
+        current = self._engine_policy.reduce_dtype or self._engine_policy.main_grads_dtype
         if wanted is not None and wanted != current:
             warnings.warn(f"reset_mixed_precision_policy: gradients keep being reduced in "
                           f"{current or 'the parameters dtype'}, fixed when the model was sharded; the new policy's "
