@@ -346,8 +346,17 @@ class _Routed(nn.Module):
 
 
 def replicas_and_schedules_worker(rank, world):
-    out = {"seeds": _error(lambda: flatfsdp.fully_shard(make_model(seed=rank, cfg=SMALL),
-                                                        fsdp_unit_modules=[TransformerBlock]))}
+    # The one-call form takes the first rank's weights, as DDP does, and says so once.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = flatfsdp.fully_shard(make_model(seed=rank, cfg=SMALL), fsdp_unit_modules=[TransformerBlock])
+    out = {"seeds": [str(w.message) for w in caught if "different weights" in str(w.message)]}
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    out["took_rank0"] = all(torch.equal(full[n], p) for n, p in make_model(seed=0, cfg=SMALL).named_parameters())
+    os.environ["FLATFSDP_CHECK_REPLICAS"] = "error"
+    out["seeds_strict"] = _error(lambda: flatfsdp.fully_shard(make_model(seed=rank, cfg=SMALL),
+                                                               fsdp_unit_modules=[TransformerBlock]))
+    del os.environ["FLATFSDP_CHECK_REPLICAS"]
     with torch.device("meta"):  # nothing to compare yet on the meta device: accepted
         meta = make_model(seed=rank, cfg=SMALL)
     out["meta"] = _error(lambda: flatfsdp.fully_shard(meta, fsdp_unit_modules=[TransformerBlock]))
@@ -376,7 +385,12 @@ def replicas_and_schedules_worker(rank, world):
 
 def test_replicas_from_different_seeds_are_named_and_a_drifting_schedule_is_caught():
     for out in run_ranks(replicas_and_schedules_worker, 2):
-        kind, message = out["seeds"]
+        assert len(out["seeds"]) == 1, out["seeds"]
+        assert out["seeds"][0].startswith("replicas start from different weights in unit 'GPT': 'tok_emb.weight' "
+                                          "differs between rank 0 and rank(s) 1; flatfsdp gives every replica the "
+                                          "first rank's values, as DDP does")
+        assert out["took_rank0"]
+        kind, message = out["seeds_strict"]
         assert kind == "ReplicaMismatch"
         assert message.startswith("replicas start from different weights in unit 'blocks.1': 'attn.qkv.weight' "
                                   "differs between rank 0 and rank(s) 1")

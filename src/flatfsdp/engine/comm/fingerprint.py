@@ -46,11 +46,12 @@ def _hash(description: tuple) -> int:
 
 
 def value_check_mode(default: str, setting: str | None) -> str:
-    """What differing replica values do at fully_shard: ``error``, ``warn``, or
-    ``skip`` (FLATFSDP_CHECK_REPLICAS=0: ranks that start from different
-    weights on purpose and load the same checkpoint after sharding).
-    ``setting`` is that variable, read once (layout/switches.py); unset, each
-    front door picks (``default``): the one-call form raises; the per-module
+    """What differing replica values do at fully_shard: ``error``, ``warn``,
+    ``broadcast`` (take_first_replica) or ``skip`` (FLATFSDP_CHECK_REPLICAS=0:
+    ranks that start from different weights on purpose and load the same
+    checkpoint after sharding). ``setting`` is that variable, read once
+    (layout/switches.py); unset, each front door picks (``default``): the
+    one-call form takes the first rank's values, as DDP; the per-module
     (FSDP2) form warns, because FSDP2 accepts such replicas and scripts
     (PyTorch's own tests among them) rely on it -- a drop-in must not refuse
     what FSDP2 runs, but it need not be silent."""
@@ -88,6 +89,51 @@ def check_ranks_agree(description: tuple, group: dist.ProcessGroup, device: torc
     everyone: list = [None] * world
     dist.all_gather_object(everyone, description, group=group)
     raise ReplicaMismatch(_first_difference(everyone, group))
+
+
+def take_first_replica(name: str, values: list[tuple[str, torch.Tensor]], groups: list[dist.ProcessGroup],
+                       device: torch.device) -> str | None:
+    """What DDP does with replicas that start apart: every rank of each group
+    in ``groups`` (the shard group, then the outer one) takes its first rank's
+    ``values``, copied in place. Returns what differed (None: nothing did),
+    for the caller to say once. Ranks that disagree on the model's structure
+    are left alone: sharding names that difference per unit. Collective over
+    each group: one all-gather of three int64, and only where values differ
+    a second, and one broadcast per tensor."""
+    values = [(n, t) for n, t in values if not t.is_meta and type(_local(t)) is torch.Tensor]
+    description = describe(name, values)
+    found = None
+    for group in groups:
+        if group is None or group.size() == 1 or dist.get_backend(group) == "fake":
+            continue
+        sums = torch.stack([_cheap_checksum(t).to(device) for _, t in values]).sum(0) if values else \
+            torch.zeros(2, dtype=torch.int64, device=device)
+        mine = torch.cat([torch.tensor([_hash(description)], dtype=torch.int64, device=device), sums])
+        hashes = torch.empty(group.size() * 3, dtype=torch.int64, device=device)
+        all_gather_single(hashes, mine, group=group)
+        hashes = hashes.view(group.size(), 3)
+        if bool((hashes == hashes[0]).all()) or not bool((hashes[:, 0] == hashes[0, 0]).all()):
+            continue
+        message = _name_first_different_value(name, values, group, device)
+        found = found or message.split(";")[0]
+        with torch.no_grad():
+            for _, t in values:
+                local = _local(t)
+                staged = local.to(device) if local.device != device else local
+                dist.broadcast(staged, group=group, group_src=0)
+                if staged is not local:
+                    local.copy_(staged)
+    return found
+
+
+def warn_first_replica_taken(found: str, stacklevel: int) -> None:
+    warnings.warn(f"{found}; flatfsdp gives every replica the first rank's values, as DDP does "
+                  f"({CHECK_VALUES_ENV}=error refuses such replicas, =warn keeps them apart as FSDP2 does)",
+                  stacklevel=stacklevel + 1)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach()
 
 
 def _cheap_checksum(t: torch.Tensor) -> torch.Tensor:

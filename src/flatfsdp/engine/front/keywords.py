@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch.distributed as dist
+
 from flatfsdp.engine.front.fsdp2_args import check_fsdp2_mesh, check_offload_policy, fsdp2_reshard_after_forward
 from flatfsdp.engine.front.spmd_mesh import check_spmd_params, spmd_dp_dims
 from flatfsdp.engine.layout.arithmetic import check_block
@@ -24,16 +26,64 @@ from flatfsdp.engine.layout.precision import resolve_policy
 from flatfsdp.engine.layout.strategy import ShardingStrategy
 from flatfsdp.engine.layout.switches import EngineSwitches
 
-ACCEPTED_NO_OPS = {"overlap_grad_reduce", "overlap_param_gather", "preproc_state_dict_for_dcp_ckpt",
-                   "keep_fp8_transpose_cache_when_using_custom_fsdp", "nccl_ub", "fsdp_double_buffer",
-                   "disable_symmetric_registration"}
+ACCEPTED_NO_OPS: dict[str, str] = {
+    "overlap_grad_reduce": "reductions always overlap the backward (a side stream, a bounded queue)",
+    "overlap_param_gather": "gathers always overlap compute (prefetch of the next unit)",
+    "preproc_state_dict_for_dcp_ckpt": "state dicts are always DCP-ready: every DTensor says what it holds",
+    "average_in_collective": "reductions sum, then divide once by the data-parallel size: the average the "
+                             "collective would take (gloo has no AVG), and the same for expert parameters",
+    "keep_fp8_transpose_cache": "TransformerEngine FP8 weights only (CUDA)",
+    "keep_fp8_transpose_cache_when_using_custom_fsdp": "Megatron-LM's name of keep_fp8_transpose_cache",
+    "nccl_ub": "NCCL user-buffer registration (CUDA)",
+    "fsdp_double_buffer": "a persistent NCCL double buffer (CUDA); flat buffers are allocated once anyway",
+    "fsdp_db_use_persist_buf_on_alloc_fail": "a fallback of the NCCL double buffer's allocator (CUDA)",
+    "disable_symmetric_registration": "NCCL window registration (CUDA)",
+    "maxpool_double_buffer": "the NCCL double buffer's pool sizing (CUDA)",
+    "enable_fine_grained_param_gather": "per-sub-module gathers for MXFP8 recompute (CUDA); a unit is "
+                                        "gathered whole, values are the same",
+    "cuda_graph_mode": "CUDA graph capture (CUDA); the .grad views stay the same tensors across steps "
+                       "anyway, as graph replay needs",
+    "fsdp_group_ag": "a second NCCL communicator for gathers beside reductions; gathers and reductions "
+                     "already run on their own streams",
+    "expt_fsdp_group_ag": "as fsdp_group_ag, for expert parameters",
+    "hybrid_fsdp_expt_group": "the expert parameters' groups come from expt_device_mesh",
+}
 """Megatron-FSDP keywords accepted for drop-in compatibility that change
-nothing here: overlap is always on, state dicts are always DCP-ready, and the
-NCCL buffer-registration knobs have no counterpart yet."""
-_CHECKED = {"device"}  # accepted when it agrees with the mesh (see mesh.check_device)
+nothing here, each with the reason (docs/megatron.md lists them too). Those
+given as process groups are still checked to be process groups."""
+MEGATRON_KEYWORDS = (
+    "device_mesh", "dp_shard_dim", "dp_outer_dim", "tp_dim", "hybrid_fsdp_group", "hybrid_fsdp_expt_group",
+    "expt_device_mesh", "fsdp_group_ag", "expt_fsdp_group_ag", "fsdp_unit_modules", "zero_dp_strategy",
+    "outer_dp_sharding_strategy", "device", "init_model_with_meta_device", "mixed_precision_policy",
+    "overlap_grad_reduce", "overlap_param_gather", "sync_model_each_microbatch", "preproc_state_dict_for_dcp_ckpt",
+    "report_nan_in_param_grad", "average_in_collective", "disable_bucketing", "calculate_per_token_loss",
+    "keep_fp8_transpose_cache", "nccl_ub", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail",
+    "disable_symmetric_registration", "enable_fine_grained_param_gather", "use_decoupled_grad", "cuda_graph_mode",
+    "maxpool_double_buffer")
+"""megatron_fsdp.fully_shard_model's parameters after ``module`` (0.6.1 and
+Megatron-LM main), in its positional order; ``fully_shard`` takes ``optimizer``
+between. The front doors take them in this order too."""
+MEGATRON_READ = {
+    "device_mesh": "the mesh (with dp_shard_dim / dp_outer_dim / tp_dim: its dimensions)",
+    "dp_shard_dim": "the dimension chunks are split over", "dp_outer_dim": "HSDP's replica dimension",
+    "tp_dim": "checked to be a dimension of the mesh (DTensor parameters carry their own mesh)",
+    "hybrid_fsdp_group": "checked against dp_outer x dp_shard", "expt_device_mesh": "expert parameters' mesh",
+    "fsdp_unit_modules": "the units", "zero_dp_strategy": "ZeRO-0..3",
+    "outer_dp_sharding_strategy": "HFSDP (optim) or HSDP (no_shard)",
+    "device": "checked to agree with the mesh", "init_model_with_meta_device": "a confirmation: flatfsdp "
+    "finds meta parameters itself and initialises them unit by unit (reset_parameters(), else "
+    "_reset_parameters())",
+    "mixed_precision_policy": "layout/precision.from_megatron_policy, field by field",
+    "sync_model_each_microbatch": "reductions waited each backward, or left in flight for the step",
+    "report_nan_in_param_grad": "NaN/inf gradients raise NonFiniteError (on_nonfinite='error')",
+    "disable_bucketing": "no coalescing of small collectives (bucket_bytes=0)",
+    "calculate_per_token_loss": "gradients summed, not averaged over data-parallel ranks",
+    "use_decoupled_grad": "False; True is refused (only TransformerEngine's FusedAdam reads decoupled_grad)",
+}
+"""The Megatron keywords the engine reads, and how (the rest are ACCEPTED_NO_OPS)."""
 _MAPPED = {"mesh", "strategy", "policy", "expert_mesh", "offload", "reshard_after_forward", "average_grads",
            "sync_each_microbatch", "bucket_bytes", "shard_block", "ignored", "require_shardable", "replica_values",
-           "switches"}
+           "switches", "on_nonfinite"}
 """Options fields built from other keywords below; every other field is a
 keyword of the same name, copied as given (prefetch_bytes, meta_init_seed, ...)."""
 _COPIED = {f.name for f in dataclasses.fields(ShardOptions)} - _MAPPED
@@ -44,10 +94,11 @@ def shard_options(module: Any, given: dict[str, Any], extra: dict[str, Any], *, 
     ``extra``: what arrived through ``**kwargs``. ``per_module``: FSDP2's
     form (``fully_shard(module, mesh=...)``), which refuses what FSDP2
     refuses and warns where FSDP2 is silent."""
-    unknown = set(extra) - ACCEPTED_NO_OPS - _CHECKED
+    unknown = set(extra) - set(ACCEPTED_NO_OPS)
     if unknown:
         raise TypeError(f"fully_shard got unexpected keyword argument(s) {sorted(unknown)}")
-    g = dict(given)
+    g = {**extra, **given}
+    _check_megatron_extras(g)
     if g.get("dp_mesh_dims") is not None:
         _read_dp_mesh_dims(module, g)
     mesh, device_mesh = g.get("mesh"), g.get("device_mesh")
@@ -64,7 +115,7 @@ def shard_options(module: Any, given: dict[str, Any], extra: dict[str, Any], *, 
         dp_mesh = dp_mesh.with_outer_sharding()
     check_hybrid_group(g.get("hybrid_fsdp_group"), dp_mesh)
     _check_tp_dim(g.get("tp_dim"), given_mesh)
-    check_device(extra.get("device"), dp_mesh.shard)
+    check_device(g.get("device"), dp_mesh.shard)
     expert_mesh = None
     if g.get("expt_device_mesh") is not None:
         expert_mesh = expert_dp_mesh(g["expt_device_mesh"], g.get("dp_shard_dim"), dp_mesh.size)
@@ -84,13 +135,31 @@ def shard_options(module: Any, given: dict[str, Any], extra: dict[str, Any], *, 
         reshard_after_forward=reshard,
         average_grads=not g.get("calculate_per_token_loss", False),
         sync_each_microbatch=g.get("sync_model_each_microbatch", True),
-        bucket_bytes=_checked_bucket(g.get("bucket_bytes")),
+        bucket_bytes=_checked_bucket(g.get("bucket_bytes"), g.get("disable_bucketing", False)),
         shard_block=block,
         ignored=frozenset(id(p) for p in g.get("ignored_params") or ()),
         require_shardable=per_module,
-        replica_values="warn" if per_module else "error",
+        replica_values="warn" if per_module else "broadcast",
         switches=EngineSwitches.from_environment(),
+        on_nonfinite="error" if g.get("report_nan_in_param_grad") else None,
         **{name: g[name] for name in _COPIED if name in g})
+
+
+def _check_megatron_extras(g: dict[str, Any]) -> None:
+    """Megatron-FSDP keywords that are no-ops here (ACCEPTED_NO_OPS) but whose
+    values can still be wrong, and the one that cannot be honoured."""
+    for name in ("fsdp_group_ag", "expt_fsdp_group_ag", "hybrid_fsdp_expt_group"):
+        group = g.get(name)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    for name in ("expt_fsdp_group_ag", "hybrid_fsdp_expt_group"):
+        if g.get(name) is not None and g.get("expt_device_mesh") is None:
+            raise ValueError(f"{name} is a group of expert parameters: it needs expt_device_mesh=")
+    if g.get("use_decoupled_grad"):
+        raise NotImplementedError(
+            "use_decoupled_grad=True installs reduced gradients as param.decoupled_grad, which only "
+            "TransformerEngine's FusedAdam (CUDA) reads; flatfsdp delivers them as param.grad, which every "
+            "torch optimizer reads: leave use_decoupled_grad=False")
 
 
 def _read_dp_mesh_dims(module, g: dict[str, Any]) -> None:
@@ -116,9 +185,11 @@ def _read_dp_mesh_dims(module, g: dict[str, Any]) -> None:
         g.update(dp_shard_dim=shard_name, dp_outer_dim=replicate_name)
 
 
-def _checked_bucket(bucket_bytes: int | None) -> int:
+def _checked_bucket(bucket_bytes: int | None, disable_bucketing: bool = False) -> int:
+    """``disable_bucketing`` (Megatron-FSDP's): every collective on its own,
+    unless ``bucket_bytes`` says otherwise."""
     if bucket_bytes is None:
-        return DEFAULT_BUCKET_BYTES
+        return 0 if disable_bucketing else DEFAULT_BUCKET_BYTES
     if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be a non-negative number of bytes (0: never coalesce), got {bucket_bytes!r}")
     return bucket_bytes
@@ -139,7 +210,8 @@ def _shards_across_outer(value: int | str, dp_mesh, strategy: ShardingStrategy) 
     if strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(f"outer_dp_sharding_strategy={value!r} (HFSDP) needs zero_dp_strategy=3 "
                          f"(optim_grads_params) inside each replica, got {strategy.name.lower()}")
-    return True
+    # One replica: nothing to split across, HFSDP is plain FSDP.
+    return dp_mesh.outer.size() > 1
 
 
 def _check_tp_dim(tp_dim: str | None, mesh) -> None:

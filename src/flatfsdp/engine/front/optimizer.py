@@ -26,18 +26,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flatfsdp.engine.front.megatron_model import megatron_views_of
+from flatfsdp.engine.front.megatron_optimizer import before_megatron_step, take_megatron_keywords
 from flatfsdp.engine.front.optimizer_state import carry_state, check_carryable
 from flatfsdp.engine.runtime.unit_state import unit_states
 
 
-def fully_shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = None,
-                          **_ignored) -> torch.optim.Optimizer:
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True, *,
+                          model: nn.Module | None = None) -> torch.optim.Optimizer:
     """Bind ``optimizer`` to the sharded ``model``: every parameter it holds must
-    be one of the model's (original or sharded). Nothing is stepped."""
-    if model is None:
-        raise TypeError("fully_shard_optimizer needs the sharded model: fully_shard_optimizer(optimizer, model)")
+    be one of the model's (original or sharded). Nothing is stepped.
+
+    Megatron-FSDP's signature: ``fully_shard_optimizer(optimizer)`` finds the
+    model of a one-call sharding from the optimizer's parameters (their
+    ``__fsdp_param__`` marker); ``preproc_state_dict_for_dcp_ckpt`` changes
+    nothing (state dicts are always DCP-ready). flatfsdp's older
+    ``fully_shard_optimizer(optimizer, model)`` still works: a module in the
+    second place is the model. Bound to a one-call sharding, ``step`` takes
+    ``sync_grad_before_optimizer_step=`` and ``install_optimized_model_weights=``
+    and ``zero_grad`` takes ``zero_grad_buffer=`` (megatron_optimizer.py)."""
+    if isinstance(preproc_state_dict_for_dcp_ckpt, nn.Module):
+        if model is not None and model is not preproc_state_dict_for_dcp_ckpt:
+            raise TypeError("fully_shard_optimizer got two different models")
+        model = preproc_state_dict_for_dcp_ckpt
+    elif not isinstance(preproc_state_dict_for_dcp_ckpt, bool):
+        raise TypeError(f"fully_shard_optimizer's second argument is preproc_state_dict_for_dcp_ckpt (a bool) or "
+                        f"the sharded model, got {type(preproc_state_dict_for_dcp_ckpt).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fully_shard_optimizer expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if model is None:
+        model = _model_of(optimizer)
     sharded_of, group_of = _model_parameters(model)
     check_carryable(optimizer, sharded_of, group_of)
     covered = {}
@@ -56,11 +74,25 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | N
             bound.append(sharded)
         group["params"] = bound
     new = [g for g in covered.values() if optimizer not in g.bound_optimizers]
+    megatron = bool(megatron_views_of(p for g in optimizer.param_groups for p in g["params"]))
     if new:  # binding again (or to a second model) hooks only groups not yet covered
-        _install_hooks(optimizer, new)
+        _install_hooks(optimizer, new, megatron)
     for g in new:
         g.bound_optimizers.add(optimizer)
+    if megatron:
+        take_megatron_keywords(optimizer)
     return optimizer
+
+
+def _model_of(optimizer: torch.optim.Optimizer) -> nn.Module:
+    """The one model a Megatron-style sharding made the optimizer's parameters for."""
+    views = megatron_views_of(p for g in optimizer.param_groups for p in g["params"])
+    if len(views) != 1:
+        found = "parameters of several sharded models" if views else "no parameter of a model sharded by the " \
+            "one-call form (fully_shard(model, fsdp_unit_modules=...) or fully_shard_model)"
+        raise TypeError(f"fully_shard_optimizer(optimizer) finds the model from the optimizer's parameters, and "
+                        f"this optimizer holds {found}: pass it, fully_shard_optimizer(optimizer, model=model)")
+    return views[0].module
 
 
 def _model_parameters(model: nn.Module) -> tuple[dict, dict]:
@@ -82,10 +114,13 @@ def _model_parameters(model: nn.Module) -> tuple[dict, dict]:
     return sharded_of, group_of
 
 
-def _install_hooks(optimizer: torch.optim.Optimizer, groups: list) -> None:
-    def before_step(*_):
+def _install_hooks(optimizer: torch.optim.Optimizer, groups: list, megatron: bool) -> None:
+    """``megatron``: the step also takes Megatron-FSDP's keywords (megatron_optimizer.py)."""
+    def before_step(opt, args, kwargs):
+        rewritten = (args, before_megatron_step(opt, kwargs)) if megatron else None
         for group in groups:
             group.gradients.complete()
+        return rewritten
 
     def after_step(*_):
         for group in groups:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from flatfsdp.engine.comm.fingerprint import check_ranks_agree, describe, value_check_mode
+from flatfsdp.engine.comm.fingerprint import (check_ranks_agree, describe, take_first_replica, value_check_mode,
+                                              warn_first_replica_taken)
 from flatfsdp.engine.runtime.fsdp_module import FSDPModule, become_fsdp_module
 from flatfsdp.engine.layout.arithmetic import shard_dim_for
 from flatfsdp.engine.layout.mesh import DataParallelMesh, data_parallel_dims, mesh_device
@@ -60,13 +61,19 @@ def shard_unit(modules: nn.Module | list[nn.Module], options: ShardOptions, *, n
     description = describe(label, [(s.fqn, s.param) for s in slots])
     # Values must agree across data-parallel replicas; expert parameters hold a
     # different expert on each expert-parallel rank, so they are left out.
-    values = [(s.fqn, s.param) for s in slots if expert_mesh is None or not _is_expert(s.param)]
+    values = [(s.fqn, s.param) for s in slots if expert_mesh is None or not is_expert(s.param)]
     values_differ = value_check_mode(options.replica_values, options.switches.check_replicas)
+    if values_differ == "broadcast":
+        groups = [g.get_group() for g in (mesh.shard, mesh.outer) if g is not None and g.size() > 1]
+        found = take_first_replica(label, values, groups, device)
+        if found:
+            warn_first_replica_taken(found, stacklevel=3)
+        values_differ = "skip"
     for dp_group in (mesh.shard, mesh.outer):
         if dp_group is not None and dp_group.size() > 1:
             check_ranks_agree(description, dp_group.get_group(), device, values, values_differ)
     # By name: meta-device materialisation below replaces the parameter objects.
-    experts = {s.fqn for s in slots if expert_mesh is not None and _is_expert(s.param)}
+    experts = {s.fqn for s in slots if expert_mesh is not None and is_expert(s.param)}
     meshes = {False: mesh, True: expert_mesh}
     slots = [chosen for expert in (False, True)
              for chosen in _choose_placements([s for s in slots if (s.fqn in experts) == expert],
@@ -261,7 +268,7 @@ def _with_tensor_parallel(slot: ParamSlot, unit: str, mesh: DataParallelMesh) ->
     return dataclasses.replace(slot, tp=spec)
 
 
-def _is_expert(param: nn.Parameter) -> bool:
+def is_expert(param: nn.Parameter) -> bool:
     """Megatron-Core marks expert parameters ``allreduce = False`` (their
     gradients are reduced over the expert data-parallel group only)."""
     return getattr(param, "allreduce", True) is False

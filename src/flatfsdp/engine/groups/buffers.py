@@ -13,6 +13,9 @@ grad accumulation     N kept      N kept       N transient   N transient
 main grads (fp32)     N           S            S             S
 ====================  ==========  ===========  ============  =================
 
+Main grads narrower than the main weights (Megatron-FSDP's ``main_grads_dtype``)
+add an S-sized copy in the main weights' dtype: what the optimizer reads.
+
 Where two buffers hold the same dtype and range they are one tensor: fp32
 training keeps no separate main copy (ZeRO-1/2 main weights are this rank's
 chunks *inside* the kept model-weight buffer), and a kept gradient buffer's
@@ -42,7 +45,8 @@ class GradientBuffers:
 
     def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
                  main_dtype: torch.dtype, reduce_dtype: torch.dtype, trainable: bool,
-                 offload: HostOffload | None, wire: WireChoice):
+                 offload: HostOffload | None, wire: WireChoice, grads_dtype: torch.dtype | None = None):
+        """``grads_dtype``: the main grads' (None: ``main_dtype``)."""
         self.layout, self.placement, self.index = layout, placement, index
         self.pg = placement.mesh.get_group()
         outer = placement.dp.outer
@@ -58,9 +62,14 @@ class GradientBuffers:
         """HFSDP: the main weights and grads are this rank's piece of its chunks;
         None: they are the chunks themselves."""
         self.grads = self.main_grad = self.main_grad_buffer = self.scratch_grad = None
+        self.optim_grad: FlatBuffer | None = None
+        """The main grads cast to the main weights' dtype, when they differ
+        (``.grad`` views it); None: ``.grad`` views the main grads."""
         self.grads_aliased = False
         if trainable:
-            self._allocate_grads(device, main_dtype)
+            self._allocate_grads(device, grads_dtype or main_dtype)
+            if grads_dtype is not None and grads_dtype != main_dtype:
+                self.optim_grad = FlatBuffer(self.main_numel, main_dtype, self.main_grad.device, name="optimizer grads")
 
     @property
     def main_numel(self) -> int:
@@ -121,14 +130,33 @@ class GradientBuffers:
                 grads.append(self.main_grad)
             if self.placement.keep_grad_buffer:
                 grads.append(self.grads.data)
+            if self.optim_grad is not None:
+                if self.optim_grad.is_allocated:
+                    grads.append(self.optim_grad.data)
+                else:
+                    released += self.optim_grad.numel * self.optim_grad.data.element_size()
         return grads, released
 
     def _grad_buffers(self) -> list[torch.Tensor]:
         """The flat gradient tensors whose storage comes and goes."""
-        return [b.data for b in (self.grads, self.main_grad_buffer, self.scratch_grad) if b is not None]
+        return [b.data for b in (self.grads, self.main_grad_buffer, self.scratch_grad, self.optim_grad)
+                if b is not None]
 
     def _grad_tensors(self) -> list[torch.Tensor]:
-        return [self.grads.data, self.main_grad, self.scratch_grad.data] if self.main_grad is not None else []
+        if self.main_grad is None:
+            return []
+        optim = [self.optim_grad.data] if self.optim_grad is not None else []
+        return [self.grads.data, self.main_grad, self.scratch_grad.data] + optim
+
+    def optimizer_grad(self) -> torch.Tensor:
+        """What the optimizer's ``.grad`` views: the main grads, or their cast copy."""
+        return self.optim_grad.data if self.optim_grad is not None else self.main_grad
+
+    def sync_optimizer_grad(self) -> None:
+        """Cast the main grads into the optimizer's copy (where there is one)."""
+        if self.optim_grad is not None:
+            self.optim_grad.alloc()
+            self.optim_grad.data.copy_(self.main_grad)
 
 
 class GroupBuffers(GradientBuffers):
@@ -137,10 +165,13 @@ class GroupBuffers(GradientBuffers):
 
     def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
                  compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 trainable: bool, offload: HostOffload | None, wire: WireChoice):
-        """``wire``: how the weights and gradients travel (groups/wire_choice.py)."""
+                 trainable: bool, offload: HostOffload | None, wire: WireChoice,
+                 grads_dtype: torch.dtype | None = None):
+        """``wire``: how the weights and gradients travel (groups/wire_choice.py);
+        ``grads_dtype``: the main grads' (None: ``main_dtype``)."""
         super().__init__(layout, placement, index=index, device=device, main_dtype=main_dtype,
-                         reduce_dtype=reduce_dtype, trainable=trainable, offload=offload, wire=wire)
+                         reduce_dtype=reduce_dtype, trainable=trainable, offload=offload, wire=wire,
+                         grads_dtype=grads_dtype)
         self._allocate_weights(device, compute_dtype, main_dtype)
         self._outer_gather = None
         self.gather_codec = wire.gather_codec(self)

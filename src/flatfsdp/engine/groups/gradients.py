@@ -188,7 +188,7 @@ class GroupGradients:
         output = request.output
         request.then.append(lambda: self._finish(accum, output, has_data, divisor, outer_now, piece))
         if hook is not None:
-            request.then.append(lambda: hook(b.main_grad))
+            request.then.append(lambda: (hook(b.main_grad), b.sync_optimizer_grad()))
         self._inflight = request
         return request
 
@@ -205,6 +205,7 @@ class GroupGradients:
     def _all_reduce_over_replicas(self) -> None:
         b = self.buffers
         b.in_place_collective(b.main_grad, lambda t: b.reduce_codec.all_reduce(t, b.outer_pg).wait())
+        b.sync_optimizer_grad()
 
     def release_consumed(self) -> None:
         """Free the sharded main grads once the optimizer has set every grad to
@@ -212,9 +213,54 @@ class GroupGradients:
         which re-allocates and overwrites them. Between steps a ZeRO-2/3 rank
         then holds no gradient memory at all, as with autograd's own grads --
         it is the forward's activations that grads would otherwise sit beside."""
-        if (self.buffers.main_grad_buffer is not None and self._inflight is None and self._accum is None
-                and not self.has_data()):
-            self.buffers.main_grad_buffer.free()
+        b = self.buffers
+        if self._inflight is None and self._accum is None and not self.has_data():
+            if b.main_grad_buffer is not None:
+                b.main_grad_buffer.free()
+            if b.optim_grad is not None:
+                b.optim_grad.free()
+
+    def scale(self, factor: float) -> None:
+        """Multiply every gradient this group holds -- reduced (main grads) and
+        accumulated but not yet reduced -- by ``factor`` (Megatron-FSDP's
+        ``scale_gradients``). Reductions in flight land first."""
+        if not self.trainable:
+            return
+        self.complete()
+        b = self.buffers
+        with torch.no_grad():
+            if self._accum is not None:
+                self._accum.data.mul_(factor)
+            if b.main_grad_buffer is None or b.main_grad_buffer.is_allocated:
+                b.main_grad.mul_(factor)
+                b.sync_optimizer_grad()
+
+    def discard(self, keep_grads: bool = False) -> None:
+        """Forget every gradient of the step so far (Megatron-FSDP's
+        ``zero_grad_buffer``): reductions in flight land and are dropped, the
+        local accumulation is dropped and the optimizer's ``.grad`` set to
+        None, so the next reduction overwrites the main grads (zeroing them
+        first would be a memset per step for nothing; ZeRO-2/3 release them
+        at the next forward anyway). ``keep_grads``: ``.grad`` stays,
+        zeroed, and the next reduction sums into it (``zero_grad(set_to_none=False)``)."""
+        if not self.trainable:
+            return
+        self.complete()
+        b = self.buffers
+        if self._accum is not None:
+            if self._accum is b.scratch_grad or not b.placement.keep_grad_buffer:
+                self._accum.free()
+            self._accum = None
+        self._used = [False] * len(self.params)
+        self._outer_due = False
+        if not keep_grads:
+            for sp in self.sharded_params:
+                sp.grad = None
+            return
+        with torch.no_grad():
+            if b.main_grad_buffer is None or b.main_grad_buffer.is_allocated:
+                b.main_grad.zero_()
+                b.sync_optimizer_grad()
 
     @property
     def in_flight(self) -> bool:
@@ -279,6 +325,7 @@ class GroupGradients:
                 # Earlier backwards' sums are in the main grads too: all-reduce the lot, once.
                 self._all_reduce_over_replicas()
             self._outer_due = not outer_now
+        b.sync_optimizer_grad()
         for i, sp in enumerate(self.sharded_params):
             if self._used[i]:
                 sp.grad = self.grad_dtensors[i]

@@ -63,7 +63,7 @@ class ParamGroup(GroupCore):
         self.buffers = GroupBuffers(self.layout, placement, index=self.index, device=device,
                                     compute_dtype=self.compute_dtype, main_dtype=self.main_dtype,
                                     reduce_dtype=self.reduce_dtype, trainable=self.trainable, offload=offload,
-                                    wire=wire)
+                                    wire=wire, grads_dtype=policy.grads_dtype(original) if self.trainable else None)
         if fill:
             self._fill_from_params()
         self.gradients = self._make_views()
@@ -103,7 +103,7 @@ class ParamGroup(GroupCore):
             local = DTensor.from_local(b.main_chunk(index), mesh, placements, **spec)
             self.sharded_params.append(nn.Parameter(local, requires_grad=self.trainable))
             if self.trainable:
-                grad = b.main_view(b.main_grad, index)
+                grad = b.main_view(b.optimizer_grad(), index)
                 grad_dtensors.append(DTensor.from_local(grad, mesh, placements, **spec))
         if not self.placement.keep_model_weights:
             b.unsharded.free()

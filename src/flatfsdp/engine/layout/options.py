@@ -57,8 +57,13 @@ class ShardOptions:
     """ids of parameters left alone (FSDP2's ``ignored_params``)."""
     require_shardable: bool = False
     """Refuse scalar and non-contiguous parameters as FSDP2 does (else they are replicated)."""
-    replica_values: str = "error"
-    """What replicas that start from different weights do: "error" or "warn"
+    replica_values: str = "broadcast"
+    """What replicas that start from different weights do: "broadcast" (take
+    the first rank's, as DDP does, and say so once: the one-call form),
+    "warn" (keep them, as FSDP2 does: the per-module form), "error" or "skip"
     (FLATFSDP_CHECK_REPLICAS in ``switches`` overrides)."""
+    on_nonfinite: str | None = None
+    """NaN/inf gradients: "error" (Megatron-FSDP's ``report_nan_in_param_grad``),
+    or None (the root's default: FLATFSDP_ON_NONFINITE, else "warn")."""
     switches: EngineSwitches = field(default_factory=EngineSwitches)
     """The FLATFSDP_* environment, read once at the front door."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,8 +40,20 @@ class MixedPrecisionPolicy:
     None: ``reduce_dtype``."""
     lowbit_block: int | None = field(default=None, kw_only=True)
     """Elements per scale of the 8-bit codes (None: block_formats.DEFAULT_BLOCK)."""
+    main_grads_dtype: torch.dtype | None = field(default=None, kw_only=True)
+    """Megatron-FSDP's: dtype of the sharded main grads, and of the reduction
+    unless ``reduce_dtype`` says otherwise. None: the main weights' dtype
+    (and the reduction in ``param_dtype``). Narrower than the main weights,
+    the optimizer reads a copy cast to theirs, made once per reduction."""
+    grad_comm_dtype: torch.dtype | None = field(default=None, kw_only=True)
+    """Megatron-FSDP's name for ``reduce_dtype`` (give one or the other)."""
 
     def __post_init__(self) -> None:
+        if self.grad_comm_dtype is not None:
+            if self.reduce_dtype is not None and self.reduce_dtype != self.grad_comm_dtype:
+                raise ValueError(f"grad_comm_dtype={self.grad_comm_dtype} and reduce_dtype={self.reduce_dtype} "
+                                 "name the same thing (the dtype gradients are reduced in): give one")
+            object.__setattr__(self, "reduce_dtype", self.grad_comm_dtype)
         self.gather_format  # validated at construction, named by its keyword
         self.reduce_format
 
@@ -93,12 +106,22 @@ class MixedPrecisionPolicy:
         low-bit reductions accumulate in fp32."""
         if self.reduce_format is not None:
             return torch.float32 if original.is_floating_point else original
-        return _float_dtype(self.grad_reduce_dtype) or self.reduce_dtype or self.compute_dtype(original)
+        if not original.is_floating_point:
+            return original
+        return (_float_dtype(self.grad_reduce_dtype) or self.reduce_dtype or self.main_grads_dtype
+                or self.compute_dtype(original))
+
+    def grads_dtype(self, original: torch.dtype) -> torch.dtype:
+        """The sharded main grads' dtype (``main_grads_dtype``, else the main weights')."""
+        if not original.is_floating_point or self.main_grads_dtype is None:
+            return self.main_dtype(original)
+        return self.main_grads_dtype
 
 
 def resolve_policy(policy: Any, *, grad_reduce_in_fp32: bool = False,
                    preserve_fp32_weights: bool = True, wire: dict | None = None) -> MixedPrecisionPolicy:
-    """Accept ours, torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None.
+    """Accept ours, torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``,
+    Megatron-FSDP's ``megatron_fsdp.MixedPrecisionPolicy`` (megatron_policy) or None.
 
     Megatron-FSDP's flags ``grad_reduce_in_fp32`` and ``preserve_fp32_weights``
     refine a policy that does not say otherwise; so do ``fully_shard``'s
@@ -106,11 +129,14 @@ def resolve_policy(policy: Any, *, grad_reduce_in_fp32: bool = False,
     """
     if policy is None:
         policy = MixedPrecisionPolicy()
+    elif is_megatron_policy(policy):
+        policy = from_megatron_policy(policy)
     elif not isinstance(policy, MixedPrecisionPolicy):
         fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
         if not all(hasattr(policy, f) for f in fields):
             raise TypeError(f"mixed precision policy of type {type(policy).__name__} is not understood: "
-                            "pass flatfsdp.MixedPrecisionPolicy or torch.distributed.fsdp.MixedPrecisionPolicy")
+                            "pass flatfsdp.MixedPrecisionPolicy, torch.distributed.fsdp.MixedPrecisionPolicy "
+                            "or megatron_fsdp.MixedPrecisionPolicy")
         policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
                                       output_dtype=policy.output_dtype,
                                       cast_forward_inputs=policy.cast_forward_inputs,
@@ -128,6 +154,38 @@ def resolve_policy(policy: Any, *, grad_reduce_in_fp32: bool = False,
     if not preserve_fp32_weights:
         policy = _replace(policy, main_params_dtype=None)
     return policy
+
+
+MEGATRON_FIELDS = ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype")
+"""megatron_fsdp.MixedPrecisionPolicy's fields (0.6.1), read by name: the
+engine never imports megatron_fsdp."""
+
+
+def is_megatron_policy(policy: Any) -> bool:
+    """Megatron-FSDP's policy: it names main grads or a gradient
+    communication dtype, and no compute dtype (``param_dtype``)."""
+    return (not isinstance(policy, MixedPrecisionPolicy) and not hasattr(policy, "param_dtype")
+            and any(hasattr(policy, f) for f in MEGATRON_FIELDS[1:]))
+
+
+def from_megatron_policy(policy: Any) -> MixedPrecisionPolicy:
+    """Megatron-FSDP's policy, field by field: ``main_params_dtype`` is ours;
+    ``main_grads_dtype`` the sharded main grads' dtype and, without
+    ``grad_comm_dtype``, the reduction's; ``grad_comm_dtype`` the reduction's.
+    Megatron-FSDP computes in the parameters' own dtype, as ``param_dtype=None``
+    does. A field this reading does not know is refused by name, unless unset."""
+    if dataclasses.is_dataclass(policy):
+        unknown = [f.name for f in dataclasses.fields(policy)
+                   if f.name not in MEGATRON_FIELDS and getattr(policy, f.name) is not None]
+        if unknown:
+            raise TypeError(f"megatron_fsdp.MixedPrecisionPolicy field(s) {unknown} are not understood by flatfsdp "
+                            f"(it reads {list(MEGATRON_FIELDS)}); leave them unset")
+    values = {f: getattr(policy, f, None) for f in MEGATRON_FIELDS}
+    for name, value in values.items():
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise TypeError(f"megatron_fsdp.MixedPrecisionPolicy.{name} must be a floating torch.dtype or None, "
+                            f"got {value!r}")
+    return MixedPrecisionPolicy(**values)
 
 
 _FLOAT_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,

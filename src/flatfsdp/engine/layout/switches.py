@@ -29,7 +29,8 @@ GLOO_ALGORITHMS = ("exchange", "native", "all_reduce")
 all-reduced with the local slice kept."""
 
 NONFINITE_MODES = ("warn", "error", "off")
-_VALUE_MODES = {"0": "skip", "off": "skip", "warn": "warn", "1": "error", "error": "error"}
+_VALUE_MODES = {"0": "skip", "off": "skip", "warn": "warn", "1": "error", "error": "error",
+                "broadcast": "broadcast"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class EngineSwitches:
             raise ValueError(f"{GLOO_ALGORITHM_ENV}={algorithm!r}: expected one of {', '.join(GLOO_ALGORITHMS)}")
         replicas = env.get(CHECK_VALUES_ENV, "").strip().lower()
         if replicas and replicas not in _VALUE_MODES:
-            raise ValueError(f"{CHECK_VALUES_ENV}={replicas!r}: expected one of error, warn, 0")
+            raise ValueError(f"{CHECK_VALUES_ENV}={replicas!r}: expected one of error, warn, broadcast, 0")
         nonfinite = env.get(NONFINITE_ENV, "warn")
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"{NONFINITE_ENV}={nonfinite!r}: expected one of {', '.join(NONFINITE_MODES)}")

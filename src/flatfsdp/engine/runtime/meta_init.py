@@ -35,7 +35,18 @@ def derived_seed(seed: int, module_name: str) -> int:
 def seeded_reset(module: nn.Module, seed: int, name: str) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derived_seed(seed, name))
-        module.reset_parameters()
+        _reset_method(module)()
+
+
+def _reset_method(module: nn.Module):
+    """``reset_parameters()``, else ``_reset_parameters()``: torch's own
+    MultiheadAttention (and Megatron-FSDP, which falls back to it) has only
+    the private one. None: neither."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(module, name, None)
+        if callable(method):
+            return method
+    return None
 
 
 def reset_parameters(model: nn.Module, seed: int) -> nn.Module:
@@ -50,7 +61,7 @@ def reset_parameters(model: nn.Module, seed: int) -> nn.Module:
 
 
 def _require_reset(module: nn.Module, name: str) -> None:
-    if not callable(getattr(module, "reset_parameters", None)):
+    if _reset_method(module) is None:
         raise ValueError(f"module '{name or '<root>'}' ({type(module).__name__}) has parameters on the meta device "
                          "but no reset_parameters() to initialise them: give it one, build it on a real device, "
                          "or fill its weights first (flatfsdp.load_pretrained)")

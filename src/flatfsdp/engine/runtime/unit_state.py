@@ -41,7 +41,8 @@ class UnitState:
         self.options = options
         """How the unit was sharded (fixed); what may change at run time is in ``controls``."""
         self.requires_grad_sync = True
-        self.controls = UnitControls(reshard_after_forward=options.reshard_after_forward)
+        self.controls = UnitControls(reshard_after_forward=options.reshard_after_forward,
+                                     on_nonfinite=options.on_nonfinite)
         self.training_state = TrainingState.IDLE
         self.context: RootContext | None = None
         self.deferred = deferred if deferred is not None else DeferredInit(pending=[], meta_originals={}, seed=0,

@@ -1,0 +1,237 @@
+"""What Megatron-LM reads on a ``MegatronFSDP`` besides its methods: the
+``ddp_config``, the ``dist_index`` (process groups and meshes) and the
+``param_and_grad_buffer`` (parameter groups and their buffers).
+
+Each is a view of flatfsdp's own state, built when asked and never a second
+copy: a buffer's ``.data`` is the very tensor the engine reads and writes
+(the model weights' shard or kept copy, the main weights, the main grads), so
+what Megatron-LM writes there the engine sees. Names follow megatron_fsdp
+0.6.1 (``param_and_grad_buffer.py``, ``utils.FSDPDistributedIndex``,
+``distributed_data_parallel_config.py``); docs/megatron.md says where the
+views differ from the buffers they stand for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatfsdp.engine.layout import views
+from flatfsdp.engine.layout.options import ShardOptions
+from flatfsdp.engine.layout.strategy import ShardingStrategy
+
+_STRATEGY_NAMES = {ShardingStrategy.NO_SHARD: "no_shard", ShardingStrategy.OPTIM: "optim",
+                   ShardingStrategy.OPTIM_GRADS: "optim_grads",
+                   ShardingStrategy.OPTIM_GRADS_PARAMS: "optim_grads_params"}
+
+
+@dataclasses.dataclass
+class DDPConfig:
+    """Megatron-FSDP's ``DistributedDataParallelConfig`` fields, as the front
+    door's keywords set them. A record of what was asked: the engine read
+    the keywords once (front/keywords.py), so changing a field here changes
+    nothing (as in Megatron-FSDP, which reads its config at construction)."""
+
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+    outer_dp_sharding_strategy: str = "no_shard"
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    check_for_nan_in_grad: bool = False
+    bucket_size: int | None = None
+    average_in_collective: bool = False
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    disable_symmetric_registration: bool = False
+    fsdp_manual_registration: bool = False
+    megatron_fsdp_main_params_dtype: torch.dtype | None = torch.float32
+    megatron_fsdp_main_grads_dtype: torch.dtype | None = None
+    megatron_fsdp_grad_comm_dtype: torch.dtype | None = None
+    megatron_fsdp_use_decoupled_grad: bool = False
+    megatron_fsdp_cuda_graph_mode: bool = False
+    megatron_fsdp_enable_fine_grained_param_gather: bool = False
+    megatron_fsdp_max_pool_double_buffer: bool = False
+    use_megatron_fsdp: bool = True
+
+    @classmethod
+    def from_keywords(cls, given: dict[str, Any], options: ShardOptions) -> "DDPConfig":
+        policy = options.policy
+        outer = "optim" if options.mesh.outer_shards_optimizer else "no_shard"
+        return cls(
+            data_parallel_sharding_strategy=_STRATEGY_NAMES[options.strategy], outer_dp_sharding_strategy=outer,
+            check_for_nan_in_grad=bool(given.get("report_nan_in_param_grad")),
+            bucket_size=options.bucket_bytes or None,
+            megatron_fsdp_main_params_dtype=policy.main_params_dtype,
+            megatron_fsdp_main_grads_dtype=policy.main_grads_dtype,
+            megatron_fsdp_grad_comm_dtype=policy.reduce_dtype,
+            megatron_fsdp_use_decoupled_grad=bool(given.get("use_decoupled_grad")),
+            megatron_fsdp_cuda_graph_mode=bool(given.get("cuda_graph_mode")),
+            megatron_fsdp_enable_fine_grained_param_gather=bool(given.get("enable_fine_grained_param_gather")),
+            megatron_fsdp_max_pool_double_buffer=bool(given.get("maxpool_double_buffer")),
+            **{name: bool(given.get(name, default)) for name, default in (
+                ("overlap_grad_reduce", True), ("overlap_param_gather", True), ("average_in_collective", False),
+                ("keep_fp8_transpose_cache", False), ("nccl_ub", False), ("fsdp_double_buffer", False),
+                ("fsdp_db_use_persist_buf_on_alloc_fail", False), ("disable_symmetric_registration", False))})
+
+
+class DistributedIndex:
+    """Megatron-FSDP's ``FSDPDistributedIndex``: the meshes and process groups
+    the model is sharded and reduced over."""
+
+    def __init__(self, given: dict[str, Any], options: ShardOptions):
+        mesh = options.mesh
+        self.device_mesh = given.get("device_mesh") if given.get("device_mesh") is not None else mesh.spmd
+        self.dp_shard_dim = given.get("dp_shard_dim")
+        self.dp_outer_dim = given.get("dp_outer_dim")
+        self.tp_dim = given.get("tp_dim")
+        self.use_hybrid_fsdp = mesh.outer is not None
+        self.hsdp_outer_dp_shard = mesh.outer_shards_optimizer
+        self.expt_device_mesh = given.get("expt_device_mesh")
+        self.fsdp_group = mesh.shard.get_group()
+        self.outer_fsdp_group = mesh.outer.get_group() if mesh.outer is not None else None
+        self._hybrid_fsdp_group = given.get("hybrid_fsdp_group")
+        self._spmd = mesh.spmd
+        self.hybrid_fsdp_expt_group = given.get("hybrid_fsdp_expt_group")
+        expert = options.expert_mesh
+        self.expt_fsdp_group = expert.shard.get_group() if expert is not None else None
+        self.expt_outer_fsdp_group = None
+        self.fsdp_group_ag = given.get("fsdp_group_ag")
+        self.expt_fsdp_group_ag = given.get("expt_fsdp_group_ag")
+
+    @property
+    def hybrid_fsdp_group(self):
+        """Every data-parallel rank's group: the one given, else (HSDP) made
+        from the mesh at first use -- a collective, so every rank must ask
+        (as Megatron-LM does); without HSDP, the shard group."""
+        if self._hybrid_fsdp_group is None:
+            self._hybrid_fsdp_group = self.fsdp_group if not self.use_hybrid_fsdp else _flat_group(self._spmd)
+        return self._hybrid_fsdp_group
+
+    def get_dp_group(self, is_expert_parallel: bool = False):
+        """Every data-parallel rank (the hybrid group with HSDP)."""
+        if is_expert_parallel:
+            return self.hybrid_fsdp_expt_group if self.use_hybrid_fsdp else self.expt_fsdp_group
+        return self.hybrid_fsdp_group if self.use_hybrid_fsdp else self.fsdp_group
+
+    def get_fsdp_group(self, is_expert_parallel: bool = False, independent_all_gather: bool = False):
+        """The ranks a parameter's chunks are split over."""
+        if is_expert_parallel:
+            return self.expt_fsdp_group_ag if independent_all_gather else self.expt_fsdp_group
+        return self.fsdp_group_ag if independent_all_gather else self.fsdp_group
+
+    def get_outer_fsdp_group(self, is_expert_parallel: bool = False):
+        if not self.use_hybrid_fsdp:
+            return None
+        return self.expt_outer_fsdp_group if is_expert_parallel else self.outer_fsdp_group
+
+    def get_root_mesh(self, is_expert_parallel: bool = False):
+        return self.expt_device_mesh if is_expert_parallel else self.device_mesh
+
+
+def _flat_group(mesh):
+    """The process group of every rank of a 2-D (outer, shard) mesh (made
+    collectively, at fully_shard, on every rank alike)."""
+    try:
+        return mesh._flatten().get_group()
+    except (AttributeError, RuntimeError, ValueError):  # torch without _flatten: Megatron-FSDP needs it given
+        return None
+
+
+class BufferView:
+    """One of a parameter group's buffers (Megatron-FSDP's ``DataParallelBuffer``):
+    ``data`` is flatfsdp's tensor itself. ``is_data_distributed``: it holds this
+    rank's chunks only (else every parameter whole)."""
+
+    def __init__(self, data: torch.Tensor, group, is_data_distributed: bool, kind: str):
+        self.data = data
+        self.dtype = data.dtype
+        self.device = data.device
+        self.is_data_distributed = is_data_distributed
+        self.params = list(group.params)
+        self.param_idx = {p: i for i, p in enumerate(self.params)}
+        self.data_parallel_group = group.buffers.pg
+        self.dp_rank = group.index
+        self.dp_world_size = group.placement.world
+        self._group, self._kind = group, kind
+
+    def get_item(self, item_id: int, only_shard: bool = False) -> torch.Tensor:
+        """Parameter ``item_id``'s values in this buffer: this rank's chunk
+        (flat) where the buffer is sharded or ``only_shard``, else the whole
+        parameter (flat)."""
+        group, b = self._group, self._group.buffers
+        p = group.layout.params[item_id]
+        if self._kind == "model" and not self.is_data_distributed:
+            whole = views.unsharded_param(self.data, p).reshape(-1)
+            return views.unsharded_chunk(self.data, p, group.index).reshape(-1) if only_shard else whole
+        if self._kind == "main":
+            return b.main_chunk(item_id).reshape(-1)
+        if self._kind == "grad":
+            return b.main_view(b.main_grad, item_id).reshape(-1)
+        return views.local_chunk(self.data, p, group.index).reshape(-1)
+
+
+class ParameterGroupView:
+    """One flatfsdp param group as Megatron-FSDP's ``ParameterGroup``."""
+
+    def __init__(self, group, unit_id: int, expert: bool, main_params_dtype: torch.dtype | None):
+        b, place = group.buffers, group.placement
+        self.params = list(group.params)
+        self.dtype = group.compute_dtype
+        self.requires_grad = group.trainable
+        self.grad_dtype = b.main_grad.dtype if group.trainable else None
+        self.is_expert_param = expert
+        self.fsdp_unit_id = unit_id
+        self.chunk_size_factor = 1
+        self.transpose_weight_buffer = None
+        self.hfsdp_helper_wbuf = self.hfsdp_helper_wtbuf = self.hfsdp_helper_gbuf = self.hsdp_comm_gbuf = None
+        kept = place.keep_model_weights or b.model_local is None
+        model = b.unsharded.data if kept else b.model_local
+        self.model_weight_buffer = BufferView(model, group, not kept, "model")
+        # Megatron-FSDP keeps main weights apart only when main_params_dtype asks for them.
+        separate_main = group.trainable and main_params_dtype is not None
+        self.main_weight_buffer = BufferView(b.main, group, place.sharded, "main") if separate_main else None
+        self.main_grad_buffer = BufferView(b.main_grad, group, place.sharded, "grad") if group.trainable else None
+
+
+class ParamAndGradBufferView:
+    """Megatron-FSDP's ``ParamAndGradBuffer``: the parameter groups of every
+    unit (the root's first, then the units in module order), and the few
+    operations Megatron-LM calls on it, each on flatfsdp's buffers."""
+
+    def __init__(self, model_view, states: list, names: dict[int, str], expert_ids: set[int],
+                 main_params_dtype: torch.dtype | None):
+        self._model = model_view
+        self.parameter_groups: list[ParameterGroupView] = []
+        self.param_to_param_group: dict[nn.Parameter, int] = {}
+        self.optimizer_named_parameters: list[tuple[str, nn.Parameter]] = []
+        for unit_id, state in enumerate(states):
+            for group in state.groups:
+                expert = any(id(p) in expert_ids for p in group.sharded_params)
+                view = ParameterGroupView(group, unit_id, expert, main_params_dtype)
+                for p in group.params:
+                    self.param_to_param_group[p] = len(self.parameter_groups)
+                self.parameter_groups.append(view)
+                self.optimizer_named_parameters += [(names.get(id(p), slot.fqn), p)
+                                                    for slot, p in zip(group.slots, group.sharded_params)]
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.parameter_groups)
+
+    def copy_main_weights_to_model_weights(self) -> None:
+        self._model.install_optimized_model_weights()
+
+    def zero_grad(self) -> None:
+        self._model.zero_grad_buffer()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self._model.scale_gradients(scaling_factor)
+
+    def update_main_grads(self) -> None:
+        """Hand the reduced gradients to the optimizer: flatfsdp does it when
+        they land, so this waits for those in flight."""
+        self._model.synchronize_gradient_reduce()

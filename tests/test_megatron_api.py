@@ -1,0 +1,236 @@
+"""Megatron-FSDP's front doors as flatfsdp takes them: every keyword, by name
+and in Megatron-FSDP's positional order, its MixedPrecisionPolicy field by
+field, and fully_shard_optimizer's one-argument form (docs/megatron.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.functional import mse_loss
+
+import flatfsdp
+from flatfsdp.engine.front.keywords import ACCEPTED_NO_OPS, MEGATRON_KEYWORDS, MEGATRON_READ
+from flatfsdp.engine.layout.precision import resolve_policy
+from harness import run_ranks
+
+
+def _positional(fn) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+
+def test_the_front_doors_take_megatron_fsdps_parameters_in_its_order():
+    assert _positional(flatfsdp.fully_shard) == ["module", "optimizer", *MEGATRON_KEYWORDS]
+    assert _positional(flatfsdp.fully_shard_model) == ["module", *MEGATRON_KEYWORDS]
+    assert _positional(flatfsdp.fully_shard_optimizer) == ["optimizer", "preproc_state_dict_for_dcp_ckpt"]
+    # Everything flatfsdp adds (FSDP2's and its own keywords) is keyword-only, so no position moves.
+    for fn in (flatfsdp.fully_shard, flatfsdp.fully_shard_model, flatfsdp.fully_shard_optimizer):
+        extra = [p for p in inspect.signature(fn).parameters.values() if p.name not in _positional(fn)]
+        assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in extra), fn.__name__
+
+
+def test_every_megatron_keyword_is_read_or_a_documented_no_op():
+    assert set(MEGATRON_KEYWORDS) == set(MEGATRON_READ) | (set(ACCEPTED_NO_OPS) & set(MEGATRON_KEYWORDS))
+    assert not set(MEGATRON_READ) & set(ACCEPTED_NO_OPS)
+    assert all(reason for reason in ACCEPTED_NO_OPS.values())
+
+
+def test_the_signatures_match_the_installed_megatron_fsdp():
+    megatron_fsdp = pytest.importorskip("megatron_fsdp")
+    for ours, theirs in ((flatfsdp.fully_shard, megatron_fsdp.fully_shard),
+                         (flatfsdp.fully_shard_model, megatron_fsdp.fully_shard_model),
+                         (flatfsdp.fully_shard_optimizer, megatron_fsdp.fully_shard_optimizer)):
+        their_params = list(inspect.signature(theirs).parameters.values())
+        assert _positional(ours) == [p.name for p in their_params], theirs.__name__
+        ours_params = inspect.signature(ours).parameters
+        for p in their_params:
+            # Theirs defaults to their policy object, ours to None (the same policy); fully_shard's
+            # optimizer is optional here (FSDP2's per-module form takes none).
+            if p.name != "mixed_precision_policy" and p.default is not inspect.Parameter.empty:
+                assert ours_params[p.name].default == p.default, (theirs.__name__, p.name)
+
+
+# ---- the policy --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class MegatronPolicy:
+    """The shape of megatron_fsdp.MixedPrecisionPolicy (0.6.1): what resolve_policy reads by name."""
+    main_params_dtype: torch.dtype | None = torch.float32
+    main_grads_dtype: torch.dtype | None = None
+    grad_comm_dtype: torch.dtype | None = None
+
+
+@dataclasses.dataclass
+class NewerMegatronPolicy(MegatronPolicy):
+    quantize_grads: str | None = None
+
+
+def _policy_classes():
+    classes = [MegatronPolicy]
+    try:
+        import megatron_fsdp
+        classes.append(megatron_fsdp.MixedPrecisionPolicy)
+    except ImportError:
+        pass
+    return classes
+
+
+@pytest.mark.parametrize("cls", _policy_classes(), ids=lambda c: c.__module__)
+def test_megatron_mixed_precision_policy_is_read_field_by_field(cls):
+    default = resolve_policy(cls())
+    assert (default.param_dtype, default.main_params_dtype, default.reduce_dtype) == (None, torch.float32, None)
+    assert default.reduction_dtype(torch.bfloat16) == torch.bfloat16  # main_grads None: the parameters' dtype
+    assert default.grads_dtype(torch.bfloat16) == torch.float32  # ... and main grads as precise as the main weights
+    policy = resolve_policy(cls(main_params_dtype=torch.float64, main_grads_dtype=torch.float32))
+    assert (policy.main_dtype(torch.float32), policy.grads_dtype(torch.float32)) == (torch.float64, torch.float32)
+    assert policy.reduction_dtype(torch.float32) == torch.float32  # no grad_comm_dtype: main_grads_dtype
+    policy = resolve_policy(cls(main_params_dtype=None, main_grads_dtype=torch.float32,
+                                grad_comm_dtype=torch.bfloat16))
+    assert policy.main_dtype(torch.bfloat16) == torch.bfloat16
+    assert policy.reduction_dtype(torch.bfloat16) == torch.bfloat16
+    assert policy.grads_dtype(torch.bfloat16) == torch.float32
+    # Megatron-FSDP's own flags still refine it, as they do flatfsdp's policy.
+    assert resolve_policy(cls(), preserve_fp32_weights=False).main_params_dtype is None
+
+
+def test_a_megatron_policy_field_flatfsdp_does_not_know_is_refused_by_name():
+    assert resolve_policy(NewerMegatronPolicy()).main_params_dtype == torch.float32  # unset: harmless
+    with pytest.raises(TypeError, match=r"field\(s\) \['quantize_grads'\] are not understood"):
+        resolve_policy(NewerMegatronPolicy(quantize_grads="mxfp8"))
+    with pytest.raises(TypeError, match="main_grads_dtype must be a floating torch.dtype"):
+        resolve_policy(MegatronPolicy(main_grads_dtype="fp32"))
+
+
+def test_flatfsdps_policy_speaks_megatron_fsdps_names_too():
+    ours = flatfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                                         grad_comm_dtype=torch.bfloat16)
+    assert ours.reduce_dtype == torch.bfloat16 and ours.grads_dtype(torch.float32) == torch.float32
+    with pytest.raises(ValueError, match="name the same thing"):
+        flatfsdp.MixedPrecisionPolicy(reduce_dtype=torch.float32, grad_comm_dtype=torch.bfloat16)
+
+
+# ---- every keyword, positionally, on 2 ranks ---------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block(), nn.Linear(8, 2))
+
+
+def _every_keyword_positionally(mesh, policy):
+    """Megatron-FSDP's fully_shard_model arguments by position, each set away
+    from its default where the engine reads it."""
+    values = dict(device_mesh=mesh, dp_shard_dim="fsdp", tp_dim="tp", fsdp_unit_modules=[Block],
+                  zero_dp_strategy="optim_grads", device=torch.device("cpu"), mixed_precision_policy=policy,
+                  overlap_grad_reduce=False, overlap_param_gather=False, report_nan_in_param_grad=True,
+                  average_in_collective=True, disable_bucketing=True, keep_fp8_transpose_cache=True,
+                  nccl_ub=True, fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True,
+                  disable_symmetric_registration=True, enable_fine_grained_param_gather=True,
+                  cuda_graph_mode=True, maxpool_double_buffer=True, fsdp_group_ag=mesh["fsdp"].get_group())
+    defaults = inspect.signature(flatfsdp.fully_shard_model).parameters
+    return [values.get(name, defaults[name].default) for name in MEGATRON_KEYWORDS]
+
+
+def positional_worker(rank, world):
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
+    policy = MegatronPolicy(main_params_dtype=torch.float64, main_grads_dtype=torch.float32)
+    model = flatfsdp.fully_shard_model(_net(), *_every_keyword_positionally(mesh, policy))
+    optimizer = flatfsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), False)
+    state = model._flatfsdp_state
+    out = {"bucket_bytes": state.options.bucket_bytes, "on_nonfinite": state.controls.on_nonfinite,
+           "strategy": model.ddp_config.data_parallel_sharding_strategy, "policy": model.mp_policy is policy}
+    buffers = model.param_and_grad_buffer.parameter_groups
+    out["dtypes"] = (buffers[0].main_weight_buffer.data.dtype, buffers[0].main_grad_buffer.data.dtype)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    mse_loss(model(x), y).backward()
+    out["grad_dtype"] = model[2].weight.grad.dtype
+    optimizer.step()
+    optimizer.zero_grad()
+    # report_nan_in_param_grad: NaN gradients are an error at the next forward, on every rank.
+    (model(x).sum() * float("nan")).backward()
+    try:
+        model(x)
+        out["nan"] = None
+    except flatfsdp.NonFiniteError as err:
+        out["nan"] = str(err).splitlines()[0]
+    out["errors"] = {}
+    for name, kwargs in (("use_decoupled_grad", dict(use_decoupled_grad=True)),
+                         ("fsdp_group_ag", dict(fsdp_group_ag="not a group")),
+                         ("hybrid_fsdp_expt_group", dict(hybrid_fsdp_expt_group=mesh["fsdp"].get_group()))):
+        try:
+            flatfsdp.fully_shard_model(_net(), fsdp_unit_modules=[Block], **kwargs)
+        except Exception as err:  # the test asserts on type and message
+            out["errors"][name] = (type(err).__name__, str(err))
+    return out
+
+
+def test_every_megatron_keyword_by_position_on_two_ranks():
+    for out in run_ranks(positional_worker, 2):
+        assert out["bucket_bytes"] == 0  # disable_bucketing
+        assert out["on_nonfinite"] == "error"  # report_nan_in_param_grad
+        assert out["strategy"] == "optim_grads" and out["policy"]
+        assert out["dtypes"] == (torch.float64, torch.float32)  # main weights fp64, main grads fp32
+        assert out["grad_dtype"] == torch.float64  # the optimizer reads them cast to the main weights' dtype
+        assert out["nan"].startswith("step 2: gradients are NaN/inf in '0.fc.weight'"), out["nan"]
+        kind, message = out["errors"]["use_decoupled_grad"]
+        assert kind == "NotImplementedError" and "FusedAdam" in message
+        assert out["errors"]["fsdp_group_ag"][0] == "TypeError"
+        assert out["errors"]["hybrid_fsdp_expt_group"] == (
+            "ValueError", "hybrid_fsdp_expt_group is a group of expert parameters: it needs expt_device_mesh=")
+
+
+# ---- main grads narrower than the main weights train as the reference ---------------------------------
+
+def main_grads_worker(rank, world, main_params, main_grads, comm):
+    model = flatfsdp.fully_shard_model(_net(), fsdp_unit_modules=[Block], mixed_precision_policy=MegatronPolicy(
+        main_params_dtype=main_params, main_grads_dtype=main_grads, grad_comm_dtype=comm))
+    optimizer = flatfsdp.fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+        loss = mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _reference_losses(world):
+    model = _net().double()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gens = [torch.Generator().manual_seed(r) for r in range(world)]
+    losses = [[] for _ in range(world)]
+    for _ in range(3):
+        for r in range(world):
+            x, y = torch.randn(4, 8, generator=gens[r]), torch.randn(4, 2, generator=gens[r])
+            loss = mse_loss(model(x.double()), y.double())
+            (loss / world).backward()
+            losses[r].append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("main_params, main_grads, comm", [
+    (torch.float64, torch.float32, None), (torch.float32, torch.float32, torch.bfloat16), (None, None, None)])
+def test_megatron_precision_policies_train_as_the_reference(main_params, main_grads, comm):
+    tolerance = 2e-2 if comm is torch.bfloat16 else 1e-5
+    reference = _reference_losses(2)
+    for rank, losses in enumerate(run_ranks(main_grads_worker, 2, main_params, main_grads, comm)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[rank], dtype=torch.float32),
+                                   rtol=tolerance, atol=tolerance)
