@@ -33,7 +33,13 @@ def derived_seed(seed: int, module_name: str) -> int:
 
 
 def seeded_reset(module: nn.Module, seed: int, name: str) -> None:
-    with torch.random.fork_rng(devices=[]):
+    # manual_seed reseeds the CPU's generator and the accelerator's: fork the
+    # accelerator's too where the module initialises there, or the caller's
+    # random state (dropout, sampling) would be the last module's seed after it.
+    on = [p.device for p in module.parameters(recurse=False) if p.device.type not in ("cpu", "meta")]
+    device_type = on[0].type if on else "cpu"
+    indices = sorted({d.index if d.index is not None else torch.accelerator.current_device_index() for d in on})
+    with torch.random.fork_rng(devices=indices, device_type=device_type):
         torch.manual_seed(derived_seed(seed, name))
         _reset_method(module)()
 
