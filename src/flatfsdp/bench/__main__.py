@@ -13,7 +13,7 @@ import torch
 
 from flatfsdp.bench.chart import write_chart
 from flatfsdp.bench.link_runs import run_behind_link
-from flatfsdp.bench.options import BenchConfig, build_parser, config_from_args
+from flatfsdp.bench.options import BenchConfig, build_parser, config_from_args, parse_args
 from flatfsdp.bench.report import summarise
 from flatfsdp.bench.runner import is_reporting_rank, run_all
 from flatfsdp.bench.tables import header, markdown
@@ -36,7 +36,7 @@ def write_outputs(out: Path, cfg: BenchConfig, runs: list[dict], summary: dict, 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     cfg = config_from_args(args)
     runs, notes = run_behind_link(cfg) if cfg.link else run_all(cfg)
     summary = summarise(cfg, runs, notes)

@@ -1,4 +1,4 @@
-"""How each contender wraps the same fp32 GPT and takes one training step.
+"""How each contender wraps the same fp32 model and takes one training step.
 
 A contender is set up on every rank after the model is built and returns a
 ``Trainer``: ``step(x, y)`` runs forward, backward and the optimizer step and
@@ -20,7 +20,6 @@ from flatfsdp.bench.floor import FloorTrainer
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.theory import STRATEGY_STAGE
 from flatfsdp.bench.workload import build_optimizer
-from flatfsdp.models.gpt import TransformerBlock
 
 
 @dataclass
@@ -103,7 +102,7 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
               if cfg.bf16 else None)
     lowbit = dict(param_gather_dtype=cfg.param_gather_dtype,
                   grad_reduce_dtype=None if cfg.grad_reduce_dtype == "fp32" else cfg.grad_reduce_dtype)
-    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=[TransformerBlock],
+    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=[type(model.blocks[0])],
                                             zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy,
                                             **lowbit, **mesh)
     if on_nonfinite is not None:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from flatfsdp.bench import gpu_preset
 from flatfsdp.bench.wire import parse_rate
 
 CONTENDERS = ("floor", "fsdp2", "flatfsdp", "deepspeed")
@@ -20,9 +21,14 @@ on a 2-D (outer, shard) mesh, FSDP2's HSDP, flatfsdp's HSDP and its HFSDP
 (main weights and optimizer state sharded across the outer dimension too)."""
 """Every contender the bench knows, in report order."""
 
-PRESETS = {"small-batch": dict(batch=1, seq_len=64), "large-batch": dict(batch=4, seq_len=256)}
+PRESETS = {"small-batch": dict(batch=1, seq_len=64), "large-batch": dict(batch=4, seq_len=256),
+           "gpu": gpu_preset.SHAPE}
 """Micro batch per rank x tokens per sequence. small-batch is communication-bound
-on CPU + gloo (little compute per byte gathered), large-batch compute-bound."""
+on CPU + gloo (little compute per byte gathered), large-batch compute-bound;
+gpu is a 1.2B Llama on one GPU (bench/gpu_preset.py)."""
+PRESET_DEFAULTS = {"gpu": gpu_preset.DEFAULTS}
+"""Presets that choose more than the batch shape: their command-line defaults."""
+MODELS = ("gpt", "llama")
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -80,6 +86,9 @@ class BenchConfig:
     nodes: int = 1
     """Simulated nodes behind ``link`` (1 or 2), ``nprocs`` ranks each; HSDP's
     outer dimension is then the node dimension."""
+    model: str = "gpt"
+    """"gpt" (models/gpt.py) or "llama" (models/llama.py: Llama 3.2 1B's ratios at
+    ``layers`` x ``d_model``, ``heads`` query heads; ``context`` unused)."""
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -113,7 +122,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                           description="flatfsdp against FSDP2, DeepSpeed and the compute floor")
     d = BenchConfig()
     p.add_argument("--preset", choices=sorted(PRESETS), help="batch x tokens: small-batch 1x64, large-batch 4x256"
-                   " (default large-batch; --batch / --seq-len override it)")
+                   " (default large-batch; --batch / --seq-len override it); gpu: a 1.2B Llama, 4x4096, bf16, one"
+                   " GPU (bench/gpu_preset.py; any flag given overrides it)")
+    p.add_argument("--model", choices=MODELS, default=d.model, help="GPT-2 or Llama shape (default gpt)")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--d-model", type=int, default=d.d_model)
     p.add_argument("--heads", type=int, default=d.heads)
@@ -144,6 +155,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, a preset of PRESET_DEFAULTS first setting
+    the defaults it chooses (flags given explicitly still win)."""
+    args = parser.parse_args(argv)
+    defaults = PRESET_DEFAULTS.get(args.preset)
+    if defaults:
+        unknown = set(defaults) - {action.dest for action in parser._actions}
+        if unknown:  # a renamed flag must not leave a preset silently half-applied
+            raise ValueError(f"preset {args.preset!r} sets {sorted(unknown)}, which no flag of this parser sets")
+        parser.set_defaults(**defaults)
+        args = parser.parse_args(argv)
+    return args
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     preset = args.preset or ("large-batch" if args.batch is None and args.seq_len is None else None)
     shape = dict(PRESETS[preset]) if preset else dict(batch=BenchConfig.batch, seq_len=BenchConfig.seq_len)
@@ -171,4 +196,4 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        strategy=args.strategy, contenders=names,
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None,
-                       link=args.link, nodes=args.nodes, **shape)
+                       link=args.link, nodes=args.nodes, model=args.model, **shape)

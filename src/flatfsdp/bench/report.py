@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 
 from flatfsdp.bench.contenders import REGISTRY
+from flatfsdp.bench.flops import step_flops
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.theory import min_comm_bytes, min_state_bytes
 from flatfsdp.bench.wire import parse_rate, wire_figures
@@ -44,9 +45,11 @@ def summarise_contender(name: str, runs: list[dict], cfg: BenchConfig) -> dict:
     peaks = [max(r["peak_bytes"]) for r in runs]
     last = runs[-1]
     step_s = statistics.median(medians)
+    flops = step_flops(last["n_params"], cfg.layers, cfg.d_model, cfg.seq_len, cfg.batch * cfg.seq_len)
     return dict(
         name=name, label=_label(name, cfg), runs=len(runs), step_s=step_s, step_s_range=[min(medians), max(medians)],
         tokens_per_s=cfg.batch * cfg.seq_len * last["world"] / step_s,
+        step_flops=flops, tflops_per_rank=flops / step_s / 1e12,
         peak_mb=statistics.median(peaks) / MB, peak_mb_range=[min(peaks) / MB, max(peaks) / MB],
         peak_mb_per_rank=[p / MB for p in last["peak_bytes"]],
         state_mb_theory=min_state_bytes(last["stage"], last["n_params"], last["world"], cfg.bf16) / MB,
@@ -68,6 +71,10 @@ def _add_ratios(rows: dict[str, dict]) -> None:
         for row in rows.values():
             row[f"time_vs_{base}"] = row["step_s"] / ref["step_s"] if ref else None
             row[f"mem_vs_{base}"] = row["peak_mb"] / ref["peak_mb"] if ref and ref["peak_mb"] > 0 else None
+    floor = rows.get("floor")
+    for row in rows.values():
+        # The part of a step the wrapper adds to the same unsharded work: (t - floor) / t.
+        row["share_over_floor"] = 1 - floor["step_s"] / row["step_s"] if floor else None
 
 
 def _check_losses(rows: dict[str, dict], tol: float) -> str | None:

@@ -24,15 +24,22 @@ def _loss(row: dict) -> str:
     return text
 
 
+def _share(value: float | None) -> str:
+    return "--" if value is None else f"{100 * value:.1f}%"
+
+
 def speed_table(summary: dict) -> str:
-    lines = ["| contender | step s (median; run range) | tokens/s | peak MB/rank (range) | time vs FSDP2 | "
-             "time vs floor | mem vs FSDP2 | mem vs floor | state MB theory | last loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| contender | step s (median; run range) | tokens/s | model TFLOP/s/rank | peak MB/rank (range) "
+             "| time vs FSDP2 | time vs floor | share over floor | mem vs FSDP2 | mem vs floor | state MB theory "
+             "| last loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary["rows"].values():
         lines.append(
             f"| {row['label']} | {row['step_s']:.3f} ({_range(*row['step_s_range'], '.3f')}) "
-            f"| {row['tokens_per_s']:,.0f} | {row['peak_mb']:.0f} ({_range(*row['peak_mb_range'], '.0f')}) "
-            f"| {_x(row['time_vs_fsdp2'])} | {_x(row['time_vs_floor'])} | {_x(row['mem_vs_fsdp2'])} "
+            f"| {row['tokens_per_s']:,.0f} | {row['tflops_per_rank']:.3g} "
+            f"| {row['peak_mb']:.0f} ({_range(*row['peak_mb_range'], '.0f')}) "
+            f"| {_x(row['time_vs_fsdp2'])} | {_x(row['time_vs_floor'])} | {_share(row['share_over_floor'])} "
+            f"| {_x(row['mem_vs_fsdp2'])} "
             f"| {_x(row['mem_vs_floor'])} | {row['state_mb_theory']:.0f} | {_loss(row)} |")
     return "\n".join(lines)
 
@@ -83,7 +90,8 @@ def header(cfg: BenchConfig, n_params: int | None, world: int) -> str:
     if lowbit:
         precision += f" (flatfsdp: {', '.join(lowbit)})"
     shape = cfg.preset or "custom"
-    size = f"{n_params / 1e6:.1f}M-parameter GPT" if n_params else "GPT"
+    kind = "Llama" if cfg.model == "llama" else "GPT"
+    size = f"{n_params / 1e6:.1f}M-parameter {kind}" if n_params else kind
     return (f"{size} ({cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, vocab {cfg.vocab}), "
             f"{shape} {cfg.batch} x {cfg.seq_len} tokens per rank, {world} ranks, {precision}; "
             f"{cfg.warmup} warm-up + {cfg.steps} timed steps, {cfg.repeats} alternating rounds, "
@@ -101,5 +109,7 @@ def markdown(cfg: BenchConfig, summary: dict, world: int) -> str:
                      "(the floor on its first step: its replicas never average gradients)")
     if rows:
         notes.append(f"* memory: {rows[0]['memory_method']}")
+        notes.append(f"* model TFLOP/s: {rows[0]['step_flops']:.4g} FLOP per rank per step (bench/flops.py) "
+                     "over the median step; share over floor: (step - floor's step) / step")
     link = ["", wire_table(cfg, summary)] if cfg.link else []
     return "\n".join(parts + ([""] + notes if notes else []) + link)

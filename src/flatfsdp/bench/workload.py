@@ -8,6 +8,7 @@ from torch import nn
 
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.models.gpt import GPT, GPTConfig
+from flatfsdp.models.llama import Llama, LlamaConfig
 
 
 def device() -> torch.device:
@@ -22,10 +23,15 @@ def gpt_config(cfg: BenchConfig) -> GPTConfig:
                      d_model=cfg.d_model)
 
 
-def build_model(cfg: BenchConfig) -> GPT:
-    """The fp32 GPT, identical on every rank and for every contender (seeded init, on the CPU)."""
+def llama_config(cfg: BenchConfig) -> LlamaConfig:
+    return LlamaConfig.shaped(n_layer=cfg.layers, d_model=cfg.d_model, n_head=cfg.heads, vocab_size=cfg.vocab)
+
+
+def build_model(cfg: BenchConfig) -> nn.Module:
+    """The fp32 model (``cfg.model``), identical on every rank and for every
+    contender (seeded init, on the CPU). Its units are ``model.blocks``."""
     torch.manual_seed(cfg.seed)
-    return GPT(gpt_config(cfg))
+    return Llama(llama_config(cfg)) if cfg.model == "llama" else GPT(gpt_config(cfg))
 
 
 def param_count(model: nn.Module) -> int:
