@@ -88,7 +88,11 @@ def run_contender(cfg: BenchConfig, name: str) -> dict:
     gc.collect()
     dist.barrier()
     probe = PeakMemory(dev)
-    model = build_model(cfg).to(dev)
+    # Built where it trains: a 1.2B model's init on one CPU thread and a 5 GB
+    # copy would cost every run seconds; the seed makes it the same model for
+    # every contender on this device.
+    with torch.device(dev):
+        model = build_model(cfg)
     n_params = param_count(model)
     trainer = contender.setup(model, cfg)
     del model  # the trainer holds what it needs

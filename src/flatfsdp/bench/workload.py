@@ -29,7 +29,8 @@ def llama_config(cfg: BenchConfig) -> LlamaConfig:
 
 def build_model(cfg: BenchConfig) -> nn.Module:
     """The fp32 model (``cfg.model``), identical on every rank and for every
-    contender (seeded init, on the CPU). Its units are ``model.blocks``."""
+    contender (seeded init, on the default device: the CPU unless the caller
+    says otherwise). Its units are ``model.blocks``."""
     torch.manual_seed(cfg.seed)
     return Llama(llama_config(cfg)) if cfg.model == "llama" else GPT(gpt_config(cfg))
 
