@@ -18,30 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatfsdp
+from device_world import Block, Net, regression_data
 from harness import run_ranks
 
 D, ROWS, STEPS = 32, 64, 4
-
-
-class Block(nn.Module):
-    def __init__(self, width: int = D):
-        super().__init__()
-        self.fc1 = nn.Linear(width, 2 * width, bias=False)
-        self.fc2 = nn.Linear(2 * width, width, bias=False)
-
-    def forward(self, x):
-        return x + self.fc2(F.relu(self.fc1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, blocks):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def _float8_net(all_gather: bool) -> Net:
@@ -83,8 +63,7 @@ def _qlora_net() -> Net:
 
 
 def _data(width: int) -> list:
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(ROWS, width, generator=gen), torch.randn(ROWS, width, generator=gen)) for _ in range(STEPS)]
+    return regression_data(width, ROWS, STEPS)
 
 
 def _train(net, data, rank: int, world: int, *, precompute: bool = False, sharded: bool = True):

@@ -61,14 +61,16 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def train_reference(steps: int, opt_name: str, bf16: bool = False, data=None) -> tuple[list, dict]:
+def train_reference(steps: int, opt_name: str, bf16: bool = False, data=None,
+                    device: torch.device | str = "cpu") -> tuple[list, dict]:
     """Unsharded training on the global batch. bf16: fp32 master weights, a bf16
     copy computes, gradients are cast up onto the master weights."""
-    master = make_model()
+    master = make_model().to(device)
     opt = make_optimizer(opt_name, master.named_parameters())
     compute = copy.deepcopy(master).to(torch.bfloat16) if bf16 else master
     losses = []
     for x in data or batches(steps):
+        x = x.to(device)
         loss = lm_loss(compute(x[:, :-1]), x[:, 1:])
         loss.backward()
         if bf16:
