@@ -5,7 +5,9 @@ world size, in alternating runs.
 Files, one concept each:
 
 * ``options``   -- the frozen run configuration, presets and the command line;
-* ``workload``  -- the model, its seeded batches, the optimizer every contender uses;
+* ``gpu_preset`` -- ``--preset gpu``: a 1.2B Llama on one GPU, and why it fits (docs/gpu.md);
+* ``workload``  -- the model (GPT or Llama), its seeded batches, the optimizer every contender uses;
+* ``flops``     -- model FLOPs of a step, for TFLOP/s;
 * ``contenders``/``floor``/``ds``  -- how each contender wraps the model and takes one step;
 * ``comm_bytes`` -- bytes per collective kind seen at the torch.distributed layer;
 * ``memory``    -- peak memory per rank above a baseline;
