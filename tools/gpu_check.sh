@@ -43,14 +43,21 @@ else
     BENCH_ARGS="--preset gpu --layers 2 --d-model 64 --heads 4 --vocab 256 --seq-len 64 --batch 1 --steps 1 --warmup 1 --repeats 1 --threads-per-rank 1"
 fi
 
-LIMIT=()
-if command -v timeout >/dev/null; then LIMIT=(timeout --kill-after=15); fi
+limited() {  # limited LIMIT_S COMMAND...: the command, stopped after LIMIT_S where timeout(1) exists
+    local limit="$1"
+    shift
+    if command -v timeout >/dev/null; then timeout --kill-after=15 "$limit" "$@"; else "$@"; fi
+}
 : > "$OUT_DIR/phases.txt"
-phase() {  # phase NAME LIMIT_S COMMAND...: run it under the limit, log "NAME STATUS SECONDS"
-    local name="$1" limit="$2" start status ms
-    shift 2
+phase() {  # phase NAME LIMIT_S LOG COMMAND...: run it under the limit (output to LOG, "-": here), note "NAME STATUS SECONDS"
+    local name="$1" limit="$2" log="$3" start status ms
+    shift 3
     start=$(date +%s%N)
-    if [ ${#LIMIT[@]} -gt 0 ]; then "${LIMIT[@]}" "$limit" "$@"; else "$@"; fi
+    if [ "$log" = - ]; then
+        limited "$limit" "$@"
+    else
+        limited "$limit" "$@" > "$log" 2>&1
+    fi
     status=$?
     ms=$(( ($(date +%s%N) - start) / 1000000 ))
     printf '%s %d %d.%03d\n' "$name" "$status" $((ms / 1000)) $((ms % 1000)) >> "$OUT_DIR/phases.txt"
@@ -58,9 +65,9 @@ phase() {  # phase NAME LIMIT_S COMMAND...: run it under the limit, log "NAME ST
 }
 
 echo "[gpu_check] mode $MODE, python $PY, writing to $OUT_DIR" >&2
-phase environment 60 "$PY" tools/gpu_check/environment.py --mode "$MODE" --out "$OUT_DIR/environment.json"
-phase checks "$CHECKS_LIMIT_S" "$PY" tests/run_device_checks.py --device "$MODE" --timeout 120 \
+phase environment 60 - "$PY" tools/gpu_check/environment.py --mode "$MODE" --out "$OUT_DIR/environment.json"
+phase checks "$CHECKS_LIMIT_S" - "$PY" tests/run_device_checks.py --device "$MODE" --timeout 120 \
     --out "$OUT_DIR/device_checks.json"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-phase bench "$BENCH_LIMIT_S" "$PY" -m flatfsdp.bench $BENCH_ARGS --out "$OUT_DIR/bench" > "$OUT_DIR/bench.log" 2>&1
+phase bench "$BENCH_LIMIT_S" "$OUT_DIR/bench.log" "$PY" -m flatfsdp.bench $BENCH_ARGS --out "$OUT_DIR/bench"
 "$PY" tools/gpu_check/report.py "$OUT_DIR" --bench-args "$BENCH_ARGS"
