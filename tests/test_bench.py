@@ -20,8 +20,9 @@ from flatfsdp.bench.__main__ import main as bench_main
 from flatfsdp.launch import RankFailed, launch
 from flatfsdp.models.gpt import GPT, GPTConfig
 
-TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--vocab", "256", "--context", "32",
-        "--seq-len", "32", "--batch", "2", "--steps", "2", "--warmup", "2", "--repeats", "1", "--nprocs", "2"]
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--vocab-size", "256",
+        "--max-position-embeddings", "32", "--seq-length", "32", "--micro-batch-size", "2", "--steps", "2", "--warmup",
+        "2", "--repeats", "1", "--nproc-per-node", "2"]
 ROW_FIELDS = {"step_s", "step_s_range", "tokens_per_s", "peak_mb", "peak_mb_range", "time_vs_fsdp2", "time_vs_floor",
               "mem_vs_fsdp2", "mem_vs_floor", "state_mb_theory", "first_loss", "last_loss", "loss_ok", "comm"}
 

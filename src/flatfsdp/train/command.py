@@ -15,6 +15,7 @@ import tempfile
 import torch
 
 from flatfsdp import checkpoint
+from flatfsdp.cli.flags import fail, parse_or_exit
 from flatfsdp.launch import LaunchInterrupted, launch, under_torchrun
 from flatfsdp.train import data, hf, own_data, resume
 from flatfsdp.train.loop import run
@@ -31,7 +32,7 @@ def default_nproc() -> int:
 def world_size(o: TrainOptions) -> int:
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
-    return o.nproc or default_nproc()
+    return o.nproc_per_node or default_nproc()
 
 
 def expected_model_shapes(o: TrainOptions, vocab_size: int) -> dict[str, tuple]:
@@ -49,7 +50,7 @@ def check_before_launch(o: TrainOptions):
     (the --data text is tokenized now); returns the world size and the token files."""
     world = world_size(o)
     if not under_torchrun() and torch.accelerator.is_available() and world > torch.accelerator.device_count():
-        raise UsageError(f"--nproc {world} is more than the {torch.accelerator.device_count()} accelerators here")
+        raise UsageError(f"--nproc-per-node {world} is more than the {torch.accelerator.device_count()} accelerators here")
     accumulation_steps(o, world)
     if o.hf_model is not None:
         hf.require_transformers()
@@ -106,11 +107,6 @@ def check_sequence_fits(o: TrainOptions) -> None:
                          f"shorter than {shortest - 1} bytes (the held-out part)")
 
 
-def _fail(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
 def _interrupted_at_start() -> None:
     print(f"{PROG}: interrupted before training started; nothing was saved", file=sys.stderr, flush=True)
     raise SystemExit(130)
@@ -118,11 +114,15 @@ def _interrupted_at_start() -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the command; returns rank 0's summary (this rank's under torchrun) when it finishes."""
+    return run_options(parse_or_exit(parse_options, argv, PROG))
+
+
+def run_options(o: TrainOptions) -> dict:
+    """The command on a parsed command line (`flatfsdp train` parses before importing torch)."""
     try:
-        o = parse_options(argv)
         world, files = check_before_launch(o)
     except UsageError as exc:
-        _fail(str(exc))
+        fail(PROG, str(exc))
     except KeyboardInterrupt:  # Ctrl-C during the checks (reading the corpus, a checkpoint's metadata)
         _interrupted_at_start()
     threads = 1 if torch.accelerator.is_available() else max(1, (os.cpu_count() or 2) // world)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         _interrupted_at_start()
     if summary.get("error"):
         if summary["rank"] == 0:
-            _fail(summary["error"])
+            fail(PROG, summary["error"])
         raise SystemExit(2)
     if summary["interrupted"]:
         if summary["rank"] == 0:
