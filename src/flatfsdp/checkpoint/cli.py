@@ -31,13 +31,22 @@ def _export(args) -> None:
         adapters = (f"; LoRA adapters merged into the weights, and also written alone ({counts['adapters']} "
                     f"tensors) as a PEFT folder: {args.output}/adapter" if counts.get("adapters") else "")
         print(f"wrote {counts['tensors']} tensors ({counts['bytes']:,} bytes) in {counts['files']} safetensors "
-              f"file(s) and config.json to {args.output}{adapters}")
+              f"file(s), config.json, generation_config.json and {_tokenizer_written(counts)} to "
+              f"{args.output}{adapters}")
         return
     counts = export_checkpoint(args.directory, args.output, prefix=prefix, budget_bytes=args.budget_mib << 20)
     objects = f" and {counts['objects']} non-tensor entries" if counts["objects"] else ""
     skipped = (f"; skipped {counts['skipped_objects']} non-tensor entries (safetensors holds tensors only)"
                if counts["skipped_objects"] else "")
     print(f"wrote {counts['tensors']} tensors ({counts['bytes']:,} bytes){objects} to {args.output}{skipped}")
+
+
+def _tokenizer_written(counts: dict) -> str:
+    record = counts["tokenizer"]
+    if record is None:
+        return ("no tokenizer: the checkpoint does not say which one its run used (saved by an older flatfsdp, or "
+                "not by flatfsdp train); copy the model's tokenizer files into the folder yourself")
+    return f"the tokenizer the run trained with ({record['name']}: {', '.join(counts['tokenizer_files'])})"
 
 
 def _import(args) -> None:

@@ -20,10 +20,8 @@ from flatfsdp.cli import flags
 from flatfsdp.cli.flags import UsageError
 
 PROG = "flatfsdp train"
-BYTES = "bytes"
-"""``--tokenizer bytes``: every UTF-8 byte is a token (ids 0-255, 256 ends a document)."""
 
-__all__ = ["PROG", "BYTES", "TrainOptions", "UsageError", "build_parser", "parse_options", "check_options",
+__all__ = ["PROG", "TrainOptions", "UsageError", "build_parser", "parse_options", "check_options",
            "accumulation_steps", "warmup_iters"]
 
 
