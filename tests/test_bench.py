@@ -121,8 +121,9 @@ def test_launch_reports_a_rank_killed_before_it_could_report():
 def test_trace_shows_each_phase_of_the_schedule(tmp_path, capsys):
     from flatfsdp.bench.trace import main as trace_main
 
-    result = trace_main(["--layers", "3", "--d-model", "64", "--heads", "2", "--vocab", "256", "--context", "32",
-                         "--warmup", "1", "--nprocs", "2", "--out", str(tmp_path)])
+    result = trace_main(["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "2", "--vocab-size", "256",
+                         "--max-position-embeddings", "32", "--warmup", "1", "--nproc-per-node", "2", "--out",
+                         str(tmp_path)])
     # Unit phases carry the unit ("flatfsdp::post_backward (layers.0)"): compare the phase.
     names = [name.split(" (")[0] for _, _, name in result["rows"]]
     # Forward: each block's gather is issued (prefetch) before the host waits

@@ -123,6 +123,14 @@ class BenchConfig:
         return cls(**{**values, "contenders": tuple(values["contenders"])})
 
 
+def add_model_flags(p: argparse.ArgumentParser, d: BenchConfig) -> None:
+    """The bench GPT's shape, under the names every command gives it (also for bench.trace, bench.save_stall)."""
+    flags.add(p, "--num-layers", dest="layers", default=d.layers, note="each one FSDP unit")
+    flags.add(p, "--hidden-size", dest="d_model", default=d.d_model)
+    flags.add(p, "--num-attention-heads", dest="heads", default=d.heads)
+    flags.add(p, "--vocab-size", dest="vocab", default=d.vocab, note="the output projection is tied to the embedding")
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or flags.CommandParser(prog=PROG, description="flatfsdp against FSDP2, DeepSpeed and the compute "
                                                              "floor: medians, ratios, bytes and memory against "
@@ -130,10 +138,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     d = BenchConfig()
     p.add_argument("--preset", choices=sorted(PRESETS), help="micro batch x tokens: small-batch 1x64, large-batch "
                    "4x256 (default: large-batch; --micro-batch-size / --seq-length override it)")
-    flags.add(p, "--num-layers", dest="layers", default=d.layers, note="each one FSDP unit")
-    flags.add(p, "--hidden-size", dest="d_model", default=d.d_model)
-    flags.add(p, "--num-attention-heads", dest="heads", default=d.heads)
-    flags.add(p, "--vocab-size", dest="vocab", default=d.vocab, note="the output projection is tied to the embedding")
+    add_model_flags(p, d)
     flags.add(p, "--max-position-embeddings", dest="context", default=None,
               default_text="max(256, --seq-length), so both presets train the same model")
     flags.add(p, "--seq-length", dest="seq_len", default=None, default_text="the preset's")
