@@ -33,7 +33,7 @@ def main() -> None:
 
         command, parsed = parse(sys.argv[1:])
     except KeyboardInterrupt:
-        _interrupted("")
+        _interrupted(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "")
     pressed = []
     previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
     try:
