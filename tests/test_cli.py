@@ -151,6 +151,14 @@ def test_top_level_help_lists_every_command_and_exits_0(capsys, argv):
     assert all(COMMANDS[name].summary in out for name in COMMANDS)
 
 
+def test_every_command_names_a_parser_and_a_runner_that_exist():
+    for command in COMMANDS.values():
+        with pytest.raises(SystemExit) as done:
+            command.parse(["--help"])
+        assert done.value.code == 0
+        assert callable(command.load())
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["trian"], "flatfsdp: error: unknown command 'trian': did you mean train?"),
     (["train", "--seq-lenght", "4"], "flatfsdp train: error: unrecognized arguments: --seq-lenght 4; did you mean "

@@ -9,6 +9,7 @@ imported; only a command line that parses imports the command itself.
 from __future__ import annotations
 
 import difflib
+import importlib
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,67 +24,33 @@ class Command:
     name: str
     summary: str
     """One line for `flatfsdp --help`."""
-    parse: Callable[[list[str]], Any]
-    """argv -> what the command runs on; imports no torch. --help and bad flags end here (SystemExit)."""
-    load: Callable[[], Callable[[Any], Any]]
-    """Imports the command (and torch) and returns its runner, which takes what ``parse`` returned."""
+    flags: str
+    """``module:function`` turning argv into what the command runs on; the module
+    imports no torch and names the command (``PROG``) for its one-line errors."""
+    runner: str
+    """``module:function`` running it: importing the module imports torch."""
 
+    def parse(self, argv: list[str]) -> Any:
+        """--help and bad flags end here (SystemExit), before torch is imported."""
+        module, function = self.flags.split(":")
+        flags_module = importlib.import_module(module)
+        return parse_or_exit(getattr(flags_module, function), argv, flags_module.PROG)
 
-def _parse_train(argv: list[str]):
-    from flatfsdp.train.options import PROG as TRAIN, parse_options
-
-    return parse_or_exit(parse_options, argv, TRAIN)
-
-
-def _load_train():
-    from flatfsdp.train.command import run_options
-
-    return run_options
-
-
-def _parse_estimate(argv: list[str]):
-    from flatfsdp.cli.estimate_flags import PROG as ESTIMATE, parse
-
-    return parse_or_exit(parse, argv, ESTIMATE)
-
-
-def _load_estimate():
-    from flatfsdp.estimator.cli import run_args
-
-    return run_args
-
-
-def _parse_bench(argv: list[str]):
-    from flatfsdp.bench.options import PROG as BENCH, parse
-
-    return parse_or_exit(parse, argv, BENCH)
-
-
-def _load_bench():
-    from flatfsdp.bench.__main__ import run_parsed
-
-    return run_parsed
-
-
-def _parse_checkpoint(argv: list[str]):
-    from flatfsdp.cli.checkpoint_flags import PROG as CHECKPOINT, parse
-
-    return parse_or_exit(parse, argv, CHECKPOINT)
-
-
-def _load_checkpoint():
-    from flatfsdp.checkpoint.cli import run_args
-
-    return run_args
+    def load(self) -> Callable[[Any], Any]:
+        """Imports the command (and torch); returns its runner, which takes what ``parse`` returned."""
+        module, function = self.runner.split(":")
+        return getattr(importlib.import_module(module), function)
 
 
 COMMANDS = {c.name: c for c in (
-    Command("train", "train a GPT or fine-tune a Hugging Face model, sharded", _parse_train, _load_train),
+    Command("train", "train a GPT or fine-tune a Hugging Face model, sharded",
+            "flatfsdp.train.options:parse_options", "flatfsdp.train.command:run_options"),
     Command("estimate", "memory and traffic per rank at any world size, before you rent",
-            _parse_estimate, _load_estimate),
+            "flatfsdp.cli.estimate_flags:parse", "flatfsdp.estimator.cli:run_args"),
     Command("bench", "flatfsdp against FSDP2, DeepSpeed and the compute floor",
-            _parse_bench, _load_bench),
-    Command("checkpoint", "inspect, export (a file or a Hugging Face folder) and import", _parse_checkpoint, _load_checkpoint),
+            "flatfsdp.bench.options:parse", "flatfsdp.bench.__main__:run_parsed"),
+    Command("checkpoint", "inspect, export (a file or a Hugging Face folder) and import",
+            "flatfsdp.cli.checkpoint_flags:parse", "flatfsdp.checkpoint.cli:run_args"),
 )}
 
 
