@@ -31,8 +31,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Imported once in the fork server; the test modules themselves import per rank.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "flatfsdp"]
+# Imported once in the fork server; the test modules themselves import per rank. flatfsdp.engine by
+# name: `import flatfsdp` alone binds the API lazily and would import no engine (flatfsdp/__init__.py).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "flatfsdp.engine"]
 
 
 def _context(fresh_interpreter: bool):
