@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 REMOVAL = "the next release"
-"""When the old spellings stop working (they said nothing before this one)."""
+"""When the old spellings stop working, as each use of one says."""
 
 
 class UsageError(Exception):
