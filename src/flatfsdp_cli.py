@@ -1,10 +1,12 @@
 """The `flatfsdp` command's entry point, kept outside the flatfsdp package on
-purpose: importing anything inside the package imports torch first (seconds on
-a busy machine), and a Ctrl-C in those seconds would end the command with a
-traceback -- or worse, be swallowed by some library's catch-all ``except``
-around an optional import, and the run would start as if nothing happened.
-So while the package imports, a Ctrl-C only sets a flag, read once the import
-is done; afterwards the command handles its own (docs/reliability.md).
+purpose: a command imports torch (seconds on a busy machine), and a Ctrl-C in
+those seconds would end the command with a traceback -- or worse, be
+swallowed by some library's catch-all ``except`` around an optional import,
+and the run would start as if nothing happened. So while the command imports,
+a Ctrl-C only sets a flag, read once the import is done; afterwards the
+command handles its own (docs/reliability.md). Parsing the command line
+imports no torch and comes before, unguarded: a Ctrl-C there ends nothing that
+has begun.
 """
 
 from __future__ import annotations
@@ -23,23 +25,27 @@ def _interrupted(command: str) -> None:
 
 
 def main() -> None:
-    command = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else ""
+    # The command line is parsed first, without torch (flatfsdp.cli): --help,
+    # a bad flag or a bad value answers at once, and only then does the
+    # command import what it runs on.
+    try:
+        from flatfsdp.cli import parse
+
+        command, parsed = parse(sys.argv[1:])
+    except KeyboardInterrupt:
+        _interrupted(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "")
     pressed = []
     previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
     try:
-        import importlib
-
-        from flatfsdp.cli import COMMANDS, main as run
-        if command in COMMANDS:
-            importlib.import_module(COMMANDS[command])
+        run = command.load()
     finally:
         signal.signal(signal.SIGINT, previous)
     if pressed:
-        _interrupted(command)
+        _interrupted(command.name)
     try:
-        run()
+        run(parsed)
     except KeyboardInterrupt:
-        _interrupted(command)
+        _interrupted(command.name)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ from flatfsdp.bench.__main__ import main as bench_main
 from flatfsdp.launch import RankFailed, launch
 from flatfsdp.models.gpt import GPT, GPTConfig
 
-TINY = ["--layers", "2", "--d-model", "64", "--heads", "2", "--vocab", "256", "--context", "32",
-        "--seq-len", "32", "--batch", "2", "--steps", "2", "--warmup", "2", "--repeats", "1", "--nprocs", "2"]
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--vocab-size", "256",
+        "--max-position-embeddings", "32", "--seq-length", "32", "--micro-batch-size", "2", "--steps", "2", "--warmup",
+        "2", "--repeats", "1", "--nproc-per-node", "2"]
 ROW_FIELDS = {"step_s", "step_s_range", "tokens_per_s", "peak_mb", "peak_mb_range", "time_vs_fsdp2", "time_vs_floor",
               "mem_vs_fsdp2", "mem_vs_floor", "state_mb_theory", "first_loss", "last_loss", "loss_ok", "comm"}
 
@@ -120,8 +121,9 @@ def test_launch_reports_a_rank_killed_before_it_could_report():
 def test_trace_shows_each_phase_of_the_schedule(tmp_path, capsys):
     from flatfsdp.bench.trace import main as trace_main
 
-    result = trace_main(["--layers", "3", "--d-model", "64", "--heads", "2", "--vocab", "256", "--context", "32",
-                         "--warmup", "1", "--nprocs", "2", "--out", str(tmp_path)])
+    result = trace_main(["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "2", "--vocab-size", "256",
+                         "--max-position-embeddings", "32", "--warmup", "1", "--nproc-per-node", "2", "--out",
+                         str(tmp_path)])
     # Unit phases carry the unit ("flatfsdp::post_backward (layers.0)"): compare the phase.
     names = [name.split(" (")[0] for _, _, name in result["rows"]]
     # Forward: each block's gather is issued (prefetch) before the host waits

@@ -1,4 +1,4 @@
-"""The bench behind a throttled link (`--link RATE`, `--nodes 2`): its options
+"""The bench behind a throttled link (`--link RATE`, `--nnodes 2`): its options
 and refusals, the wire-limit arithmetic on measured bytes, the engine's
 account split into intra- and inter-node peers on a real 4-rank gloo run laid
 out as 2 nodes of 2, and (as root) the namespaces and counters themselves.
@@ -20,30 +20,31 @@ from torch import nn
 
 from flatfsdp.bench.link_counters import LinkProbe, NodeLayout, split_sent
 from flatfsdp.bench.netsim import Network, missing_for_link, require_link_support
-from flatfsdp.bench.options import BenchConfig, build_parser, config_from_args
+from flatfsdp.bench.options import BenchConfig, parse
 from flatfsdp.bench.wire import engine_directions, line_to_beat, parse_rate, wire_figures, wire_limit_s
 from flatfsdp.bench.wire_table import wire_table
+from flatfsdp.cli.flags import UsageError
 from harness import run_ranks
 
 
 def _cfg(*argv: str) -> BenchConfig:
-    return config_from_args(build_parser().parse_args(list(argv)))
+    return parse(list(argv))[0]
 
 
 # ---- options and refusals ------------------------------------------------------------------
 
 def test_link_and_nodes_options():
     assert (_cfg().link, _cfg().nodes) == (None, 1)  # loopback as before
-    cfg = _cfg("--link", "2gbit", "--nodes", "2", "--nprocs", "2", "--contenders", "flatfsdp-hsdp,fsdp2-hsdp")
+    cfg = _cfg("--link", "2gbit", "--nnodes", "2", "--nproc-per-node", "2", "--contenders", "flatfsdp-hsdp,fsdp2-hsdp")
     assert (cfg.link, cfg.nodes, cfg.contenders) == ("2gbit", 2, ("flatfsdp-hsdp", "fsdp2-hsdp"))
     # The ranks behind the link read the configuration back from JSON.
     assert BenchConfig.from_dict(json.loads(json.dumps(cfg.as_dict()))) == cfg
-    with pytest.raises(SystemExit, match="--nodes 2 needs --link"):
-        _cfg("--nodes", "2")
-    with pytest.raises(SystemExit, match="tc's units"):
+    with pytest.raises(UsageError, match="--nnodes 2 needs --link"):
+        _cfg("--nnodes", "2")
+    with pytest.raises(UsageError, match="tc's units"):
         _cfg("--link", "2000")  # tc reads a bare number as bits: refused, not guessed
-    with pytest.raises(SystemExit):
-        _cfg("--link", "1gbit", "--nodes", "3")
+    with pytest.raises(UsageError, match="invalid choice"):
+        _cfg("--link", "1gbit", "--nnodes", "3")
 
 
 def test_rates_in_tc_units():

@@ -108,8 +108,8 @@ def _estimate_json(*argv: str) -> dict:
 
 
 def test_one_table_over_world_sizes_strategies_and_hsdp():
-    rows = _estimate_json("--model", "gpt-tiny", "--world-sizes", "8,64", "--strategy", "1,3",
-                          "--seq-len", "64")["rows"]
+    rows = _estimate_json("--model", "gpt-tiny", "--world-sizes", "8,64", "--data-parallel-sharding-strategy", "1,3",
+                          "--seq-length", "64")["rows"]
     by = {(r["layout"]["world"], r["layout"]["strategy"]): r for r in rows}
     assert len(rows) == 4
     z3_8, z3_64 = by[8, "optim_grads_params"], by[64, "optim_grads_params"]
@@ -123,7 +123,7 @@ def test_one_table_over_world_sizes_strategies_and_hsdp():
     for r in rows:
         assert r["peak"] >= r["start"] + r["activations_peak"] > r["start"] > 0
 
-    hsdp = _estimate_json("--model", "gpt-tiny", "--world-sizes", "64", "--hsdp-shard", "8", "--seq-len", "64")
+    hsdp = _estimate_json("--model", "gpt-tiny", "--world-sizes", "64", "--hsdp-shard", "8", "--seq-length", "64")
     comm = hsdp["rows"][0]["comm"]
     assert set(comm) == {"dp_shard", "dp_outer"}
     # The outer all-reduce carries each rank's reduced chunk: 1/8 of the gradients reduce-scattered.
@@ -135,7 +135,7 @@ def test_llama_3_70b_at_1024_ranks_in_little_memory():
     """Built on the meta device, run on fake tensors: a 70B model at 1,024 ranks
     needs no more than the engine's own bookkeeping."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    row = _estimate_json("--model", "llama-3-70b", "--world-sizes", "1024", "--bf16", "--seq-len", "256")["rows"][0]
+    row = _estimate_json("--model", "llama-3-70b", "--world-sizes", "1024", "--bf16", "--seq-length", "256")["rows"][0]
     child_peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     params = row["params"]
     assert 70.0e9 < params < 71.0e9
@@ -154,8 +154,9 @@ def test_llama_3_70b_at_1024_ranks_in_little_memory():
     (["--model", "gpt-tiny", "--hfsdp"], "--hfsdp needs --hsdp-shard"),
     (["--model", "gpt-tiny", "--world-sizes", "12", "--hsdp-shard", "8"], "world 12 is not a multiple of the HSDP "
                                                                           "shard size 8"),
-    (["--model", "gpt-tiny", "--strategy", "5"], "--strategy 5: expected"),
-    (["--model", "gpt-tiny", "--world-sizes", "8,x"], "--world-sizes 8,x: expected comma-separated integers"),
+    (["--model", "gpt-tiny", "--data-parallel-sharding-strategy", "5"],
+     "argument --data-parallel-sharding-strategy: unknown strategy '5'"),
+    (["--model", "gpt-tiny", "--world-sizes", "8,x"], "--world-sizes: 8,x: expected comma-separated integers"),
     (["--model", "gpt-tiny", "--world-sizes", "16", "--check"], "--check runs every rank on this machine"),
     (["--model", "no_such_module:build", "--units", "Block"], "cannot import 'build' from 'no_such_module'"),
 ])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flatfsdp.bench.flops import flops_per_token, step_flops
-from flatfsdp.bench.options import build_parser, config_from_args, parse_args
+from flatfsdp.bench.options import parse
 from flatfsdp.bench.report import summarise
 from flatfsdp.bench.theory import min_state_bytes
 from flatfsdp.bench.workload import build_model, llama_config
@@ -24,7 +24,7 @@ LLAMA_3_2_1B = 1_235_814_400
 
 
 def _config(*argv: str):
-    return config_from_args(parse_args(build_parser(), list(argv)))
+    return parse(list(argv))[0]
 
 
 def _report_module():
@@ -50,7 +50,8 @@ def test_gpu_preset_is_llama_3_2_1b_at_4_x_4096_in_bf16_on_one_rank():
 
 
 def test_flags_given_with_the_gpu_preset_win_over_it():
-    cfg = _config("--preset", "gpu", "--layers", "2", "--d-model", "64", "--steps", "1", "--batch", "1")
+    cfg = _config("--preset", "gpu", "--num-layers", "2", "--hidden-size", "64", "--steps", "1",
+                  "--micro-batch-size", "1")
     assert (cfg.layers, cfg.d_model, cfg.steps, cfg.batch) == (2, 64, 1, 1)
     assert (cfg.model, cfg.heads, cfg.seq_len, cfg.bf16) == ("llama", 32, 4096, True)  # the rest still the preset's
     assert _config("--preset", "large-batch").model == "gpt"  # other presets choose only the batch shape

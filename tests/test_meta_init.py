@@ -109,7 +109,7 @@ def test_no_rank_ever_holds_the_whole_model(monkeypatch):
     # blocks straight from mmap, so freed memory leaves RSS (glibc would
     # otherwise keep it and the mark would count reuse as growth).
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    for out in run_ranks(memory_worker, 4):
+    for out in run_ranks(memory_worker, 4, fresh_interpreter=True):
         # What a rank keeps, plus a few transient copies of one unit -- far
         # below keeping plus one whole model, which materialising first costs.
         assert out["peak"] < out["persistent"] + 4 * out["unit"] + 8 * 2**20, out

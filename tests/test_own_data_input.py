@@ -62,7 +62,11 @@ def test_tokenized_once_keyed_by_content_split_by_documents(tmp_path, capsys):
     # Same content under another name: the same entry, not tokenized again.
     shutil.copy(tmp_path / "docs.jsonl", tmp_path / "renamed.jsonl")
     again = token_cache.prepare([str(tmp_path / "renamed.jsonl")], "text", ByteTokenizer(), cache, show_progress=False)
-    assert again.directory == files.directory and "tokenized" not in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert again.directory == files.directory and not said.startswith("tokenized")
+    tokens = files.meta["train_tokens"] + files.meta["eval_tokens"]  # a hit says what it used, as a miss does
+    assert said == (f"using the cached tokens of {tmp_path / 'renamed.jsonl'} with tokenizer bytes: {tokens:,} tokens "
+                    f"({len(expected):,} held out) in {files.directory}\n")
     assert os.stat(os.path.join(again.directory, "train.bin")).st_mtime_ns == stamp
     # Changed content: a new entry.
     write_jsonl(tmp_path / "renamed.jsonl", DOCS[:-1])
@@ -99,6 +103,8 @@ def user(tmp_path_factory):
         shutil.copy(root / "llama" / name, root / "small" / name)
     write_jsonl(root / "docs.jsonl", DOCS)
     write_jsonl(root / "other.jsonl", DOCS, field="body")
+    (root / "broken.jsonl").write_text('{"text": "a"}\n{"text": "b",, "id": 2}\n')
+    save_llama(root / "bare", vocab_size=300)  # weights without a tokenizer
     (root / "empty.jsonl").write_text("")
     (root / "blob.txt").write_bytes(bytes(range(256)) * 4)
     return root
@@ -117,6 +123,9 @@ def _fails(capsys, argv) -> str:
     (["--data", "{root}/empty.jsonl"], "empty.jsonl: the file is empty"),
     (["--data", "{root}/blob.txt"], "blob.txt: a binary file"),
     (["--data", "{root}/other.jsonl"], "other.jsonl line 1: no field 'text' (it has: id, body)"),
+    (["--data", "{root}/broken.jsonl"], "broken.jsonl line 2 column 14: not JSON (Expecting property name"),
+    (["--data", "{root}/docs.jsonl", "--hf-model", "{root}/bare"], "--hf-model {root}/bare holds no tokenizer"),
+    (["--hf-model", "{root}/bare"], "--hf-model {root}/bare holds no tokenizer (tokenizer.json, "),
     (["--data", "{root}/docs.jsonl", "--hf-model", "{root}/small"], "embedding has"),
     (["--data", "{root}/docs.jsonl", "--hf-model", "{root}/llama", "--seq-length", "65"], "past --hf-model"),
     (["--data-par", "3"], "unrecognized arguments: --data-par"),
@@ -124,7 +133,7 @@ def _fails(capsys, argv) -> str:
 ])
 def test_bad_input_is_one_line_and_exit_2_before_training(user, capsys, case, expected):
     argv = [a.format(root=user) for a in case] + ["--data-cache", str(user / "cache"), "--run-dir", str(user / "r")]
-    assert expected in _fails(capsys, argv)
+    assert expected.format(root=user) in _fails(capsys, argv)
 
 
 def test_a_field_the_first_line_has_but_a_later_one_lacks_names_the_line(user, capsys):
@@ -140,3 +149,15 @@ def test_a_field_the_first_line_has_but_a_later_one_lacks_names_the_line(user, c
 def test_missing_folder_is_a_data_error(tmp_path):
     with pytest.raises(DataError, match="holds no"):
         find_sources([str(tmp_path)])
+
+
+def test_the_tokenizing_bar_draws_only_on_a_terminal(monkeypatch):
+    """In a pipe or a log file, plain lines: a bar's carriage-return frames would fill the log."""
+    pytest.importorskip("tqdm")
+    from flatfsdp.data import progress
+
+    assert type(progress.progress_bar(100, "tokenizing", True)).__name__ == "_Plain"  # pytest's stderr: no terminal
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True)
+    bar = progress.progress_bar(100, "tokenizing", True)
+    assert type(bar).__name__ == "tqdm"
+    bar.close()

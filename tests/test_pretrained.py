@@ -251,7 +251,8 @@ def test_fine_tuned_model_exports_to_hugging_face_format(two_ranks, tmp_path):
     assert diff <= 1e-6, diff
     one_file = tmp_path / "one"
     checkpoint.export_hf(ckpt, one_file)
-    assert sorted(p.name for p in one_file.iterdir()) == ["config.json", "model.safetensors"]
+    # Saved by a script, not flatfsdp train: no tokenizer to carry, generation settings from the config.
+    assert sorted(p.name for p in one_file.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     with pytest.raises(CheckpointError, match="will not overwrite"):
         checkpoint.export_hf(ckpt, one_file)
 

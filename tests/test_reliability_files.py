@@ -183,7 +183,7 @@ def test_train_save_onto_a_file_via_the_installed_command(tmp_path):
 # ---- a run that diverges ---------------------------------------------------------------------------
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-        "--micro-batch-size", "2", "--eval-iters", "1", "--no-progress", "--nproc", "2"]
+        "--micro-batch-size", "2", "--eval-iters", "1", "--no-progress", "--nproc-per-node", "2"]
 
 
 def _train(argv: list[str]) -> subprocess.CompletedProcess:

@@ -103,7 +103,7 @@ def _error_of(capsys, argv: list[str]) -> str:
 @pytest.mark.parametrize("argv, expected", [
     (["--data-parallel-sharding-strategy", "zero9"], "unknown strategy 'zero9'"),
     (["--data-parallel-sharding-strategy", "4"], "unknown strategy '4'"),
-    (["--nproc", "2", "--micro-batch-size", "4", "--global-batch-size", "12"],
+    (["--nproc-per-node", "2", "--micro-batch-size", "4", "--global-batch-size", "12"],
      "--global-batch-size 12 is not a multiple of --micro-batch-size 4 x 2 data-parallel ranks = 8"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
     (["--hidden-size", "30", "--num-attention-heads", "4"], "not divisible"),

@@ -69,8 +69,10 @@ def fine_tuned(tmp_path_factory):
                                       num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
                                       tie_word_embeddings=True)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "llama", max_shard_size="50KB")
-    result = launch(_runs, 2, {"tune": PRETRAINED + ["--hf-model", str(root / "llama"), "--run-dir", str(root / "run"),
-                                                     "--save", str(root / "ckpt")]}, timeout_s=300)
+    # A folder of weights without a tokenizer: byte values as ids only because this run asks for them.
+    result = launch(_runs, 2, {"tune": PRETRAINED + ["--hf-model", str(root / "llama"), "--tokenizer", "bytes",
+                                                     "--run-dir", str(root / "run"), "--save", str(root / "ckpt")]},
+                    timeout_s=300)
     return result["tune"], root
 
 
@@ -101,6 +103,12 @@ def test_the_fine_tuned_checkpoint_exports_to_hugging_face_format(fine_tuned):
                                                                micro_batch_size=4, seq_length=32)]
     # The run evaluated its final (sharded) weights on these very batches.
     assert _global_loss(exported, held_out) == pytest.approx(summary["eval_loss"], abs=1e-5)
+    # Trained on byte tokens, it exports with them as a Hugging Face tokenizer: the same ids, 256 ending a text.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(root / "export")
+    text = "Tides turn; bread rises. Ça va?"
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == list(text.encode())
+    assert tokenizer.decode(list(text.encode())) == text
+    assert tokenizer.eos_token_id == exported.generation_config.eos_token_id == 256
 
 
 def test_a_vocabulary_too_small_for_byte_tokens_is_refused(tmp_path, capsys):
@@ -112,6 +120,9 @@ def test_a_vocabulary_too_small_for_byte_tokens_is_refused(tmp_path, capsys):
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(SystemExit):
         main(["--hf-model", str(tmp_path)])
+    assert f"--hf-model {tmp_path} holds no tokenizer" in capsys.readouterr().err  # not silently bytes
+    with pytest.raises(SystemExit):
+        main(["--hf-model", str(tmp_path), "--tokenizer", "bytes"])
     assert "its embedding has 100 rows, fewer than the 256 token ids" in capsys.readouterr().err
 
 

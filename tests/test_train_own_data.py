@@ -1,7 +1,9 @@
 """`flatfsdp train --hf-model DIR --data FILE` as a user runs it: their Llama
 and its BPE tokenizer (trained here with `tokenizers`), their jsonl of made-up
 documents, 2 real ranks. The loss falls, a resumed run continues bit for bit,
-and LoRA trains the adapters alone and exports a model from_pretrained loads."""
+LoRA trains the adapters alone and exports a model from_pretrained loads, and
+the tokenizer travels: train -> export -> from_pretrained (model and
+tokenizer) -> generate -> fine-tune the export, with no file copied by hand."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def trained(tmp_path_factory):
     lora = base + ["--train-iters", "8", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
                    "q_proj,v_proj,down_proj", "--lr", "2e-2"]
     results = launch(_runs, 2, {
-        "straight": base + ["--train-iters", "12", "--run-dir", str(root / "a")],
+        "straight": base + ["--train-iters", "12", "--run-dir", str(root / "a"), "--save", str(root / "full_ckpt")],
         "first": base + ["--train-iters", "12", "--run-dir", str(root / "b"), "--exit-interval", "6",
                          "--save", ckpt],
         "second": base + ["--train-iters", "12", "--run-dir", str(root / "c"), "--load", ckpt],
@@ -130,3 +132,69 @@ def test_lora_checkpoint_exports_a_merged_model_and_a_peft_adapter(trained):
     before, after = load_file(os.path.join(user["model"], "model.safetensors")), load_file(out / "model.safetensors")
     assert torch.equal(before["model.layers.0.self_attn.k_proj.weight"], after["model.layers.0.self_attn.k_proj.weight"])
     assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"], after["model.layers.0.self_attn.q_proj.weight"])
+
+
+def _held_out_batches(files, world: int = 2, count: int = 2):
+    from flatfsdp.data.packed import PackedWindows
+
+    held_out = PackedWindows(files.open("eval"), 32, seed=1234)
+    return [b for r in range(world) for b in held_out.eval_batches(count=count, rank=r, world=world, micro_batch_size=4)]
+
+
+def _token_files(run_dir):
+    from flatfsdp.data.token_cache import TokenFiles
+
+    config = _config(run_dir)
+    with open(os.path.join(config["token_cache"], "meta.json")) as f:
+        return TokenFiles(config["token_cache"], json.load(f))
+
+
+def test_the_tokenizer_travels_from_training_through_export_to_a_fine_tune_of_the_export(trained, tmp_path, capsys):
+    import transformers
+
+    from flatfsdp.checkpoint.cli import main as checkpoint_main
+    from flatfsdp.data.packed import PackedWindows
+    from flatfsdp.train.command import main as train_main
+
+    results, user, root = trained
+    out = root / "export"
+    checkpoint_main(["export", "--format", "hf", str(root / "full_ckpt"), str(out)])
+    assert "and the tokenizer the run trained with" in capsys.readouterr().out
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    # The export's tokenizer is the one training used: its ids are the token cache's, documents joined by its EOS.
+    files = _token_files(root / "a")
+    held = [doc for i, doc in enumerate(user["docs"]) if i % 20 == 1]
+    assert files.open("eval").long().tolist() == [
+        t for doc in held for t in [*tokenizer(doc, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]]
+    held_out_loss = _eval_loss(model, _held_out_batches(files))
+    assert abs(held_out_loss - results["straight"]["eval_loss"]) < 1e-4
+    # generate() stops where training ended documents, and decodes to text.
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+    prompt = tokenizer("The baker opens", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert tokenizer.decode(generated[0], skip_special_tokens=True).startswith("The baker opens")
+    # The export fine-tunes as it is: its own tokenizer, the same ids (the same cache entry, said in one line).
+    tune = train_main(COMMON + ["--hf-model", str(out), "--data", user["data"], "--data-cache", str(root / "cache"),
+                                "--nproc-per-node", "1", "--train-iters", "1", "--run-dir", str(tmp_path / "tune")])
+    said = capsys.readouterr().err
+    assert f"using the cached tokens of {user['data']} with tokenizer {out}: " in said
+    assert f"in {files.directory}" in said
+    first = PackedWindows(files.open("train"), 32, seed=1234).micro_batch(step=1, micro=0, rank=0, world=1,
+                                                                          micro_batch_size=4, accumulation=1)
+    assert tune["losses"][0] == pytest.approx(_eval_loss(model, [first]), abs=1e-5)
+    # ... so its first loss is the export's held-out loss (byte ids fed to this model would give about 12).
+    assert tune["losses"][0] == pytest.approx(held_out_loss, abs=0.15)
+
+
+def test_a_checkpoint_refuses_another_tokenizer(trained, capsys):
+    from flatfsdp.train.command import main as train_main
+
+    _, user, root = trained
+    with pytest.raises(SystemExit) as done:
+        train_main(COMMON + ["--hf-model", user["model"], "--tokenizer", "bytes", "--data", user["data"],
+                             "--data-cache", str(root / "cache"), "--load", str(root / "full_ckpt")])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"--load {root / 'full_ckpt'} was trained with the tokenizer {os.path.abspath(user['model'])} (sha256 "
+            in err and "this run would use bytes" in err and f"pass --tokenizer {os.path.abspath(user['model'])}" in err)

@@ -40,7 +40,7 @@ if [ "$MODE" = cuda ]; then
     BENCH_ARGS="--preset gpu"
 else
     # The same preset, a tiny Llama: every code path of the GPU run, in seconds.
-    BENCH_ARGS="--preset gpu --layers 2 --d-model 64 --heads 4 --vocab 256 --seq-len 64 --batch 1 --steps 1 --warmup 1 --repeats 1 --threads-per-rank 1"
+    BENCH_ARGS="--preset gpu --num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 256 --seq-length 64 --micro-batch-size 1 --steps 1 --warmup 1 --repeats 1 --threads-per-rank 1"
 fi
 
 limited() {  # limited LIMIT_S COMMAND...: the command, stopped after LIMIT_S where timeout(1) exists

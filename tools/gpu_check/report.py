@@ -48,10 +48,10 @@ def bench_config(bench_args: list[str]):
     """The BenchConfig those arguments give, and the model's parameter count (built on the meta device)."""
     import torch
 
-    from flatfsdp.bench.options import build_parser, config_from_args, parse_args
+    from flatfsdp.bench.options import parse
     from flatfsdp.bench.workload import build_model
 
-    cfg = config_from_args(parse_args(build_parser(), bench_args))
+    cfg, _ = parse(bench_args)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in build_model(cfg).parameters())
     return cfg, n_params

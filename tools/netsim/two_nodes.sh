@@ -4,7 +4,7 @@
 # called "wire" (so every rank reads the same device name) and has a link-local address, 169.254.77.1 in -a and
 # .2 in -b, that exists only inside these namespaces. Ranks of one node reach each other through their own
 # namespace's loopback, unthrottled, as on one machine; ranks of different nodes cross the wire. Idempotent.
-# Needs root (ip, tc). Used by `python -m flatfsdp.bench --nodes 2 --link RATE`.
+# Needs root (ip, tc). Used by `python -m flatfsdp.bench --nnodes 2 --link RATE`.
 # Usage: two_nodes.sh NAME RATE   then run node 0 under `ip netns exec NAME-a env GLOO_SOCKET_IFNAME=wire ...`
 # with --master_addr 169.254.77.1, node 1 likewise in NAME-b; remove with teardown.sh NAME
 set -euo pipefail

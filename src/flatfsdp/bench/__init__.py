@@ -16,7 +16,7 @@ Files, one concept each:
 * ``runner``    -- the alternating schedule, one fresh process group per run;
 * ``report``    -- medians, ratios and loss agreement from the run records;
 * ``tables``/``chart`` -- the markdown tables and chart.png (``__main__`` writes results.json);
-* behind a throttled link (``--link``, ``--nodes 2``): ``netsim`` (the namespaces, made by
+* behind a throttled link (``--link``, ``--nnodes 2``): ``netsim`` (the namespaces, made by
   tools/netsim), ``link_runs`` (each run as torchrun per node inside them), ``link_rank``
   (what those ranks run), ``link_counters`` (crossing bytes: interface counters and the
   engine's per-peer account), ``wire`` (the wire limit) and ``wire_table``.

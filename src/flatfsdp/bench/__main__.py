@@ -13,10 +13,11 @@ import torch
 
 from flatfsdp.bench.chart import write_chart
 from flatfsdp.bench.link_runs import run_behind_link
-from flatfsdp.bench.options import BenchConfig, build_parser, config_from_args, parse_args
+from flatfsdp.bench.options import PROG, BenchConfig, parse
 from flatfsdp.bench.report import summarise
 from flatfsdp.bench.runner import is_reporting_rank, run_all
 from flatfsdp.bench.tables import header, markdown
+from flatfsdp.cli.flags import parse_or_exit
 
 
 def _environment(cfg: BenchConfig, runs: list[dict]) -> dict:
@@ -35,19 +36,22 @@ def write_outputs(out: Path, cfg: BenchConfig, runs: list[dict], summary: dict, 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = build_parser()
-    args = parse_args(parser, argv)
-    cfg = config_from_args(args)
+    return run_parsed(parse_or_exit(parse, argv, PROG))
+
+
+def run_parsed(parsed: tuple[BenchConfig, str | None]) -> dict:
+    """The bench on a parsed command line (flatfsdp.bench.options.parse): runs, prints, writes --out."""
+    cfg, out = parsed
     runs, notes = run_behind_link(cfg) if cfg.link else run_all(cfg)
     summary = summarise(cfg, runs, notes)
     if not is_reporting_rank():
         return summary
     env = _environment(cfg, runs)
     print(markdown(cfg, summary, env["world"]), flush=True)
-    if args.out:
-        for note in write_outputs(Path(args.out), cfg, runs, summary, env):
+    if out:
+        for note in write_outputs(Path(out), cfg, runs, summary, env):
             print(f"note: {note}", file=sys.stderr)
-        print(f"\nwrote {Path(args.out) / 'results.json'}", file=sys.stderr)
+        print(f"\nwrote {Path(out) / 'results.json'}", file=sys.stderr)
     return summary
 
 

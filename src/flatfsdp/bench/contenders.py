@@ -57,7 +57,7 @@ def _maybe_compiled(model: nn.Module, compile_model: bool) -> nn.Module:
 def hybrid_mesh(model: nn.Module, cfg: BenchConfig, names: tuple[str, str]):
     """The (outer, shard) mesh of HSDP and HFSDP. Ranks are numbered node-major
     (torchrun), and the mesh is row-major, so a shard group is ranks
-    [o * inner, (o + 1) * inner): with --nodes 2 the outer dimension is the node
+    [o * inner, (o + 1) * inner): with --nnodes 2 the outer dimension is the node
     dimension -- replicas across nodes, shards within one. Without, two replicas."""
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -26,8 +26,11 @@ from __future__ import annotations
 SHAPE = dict(batch=4, seq_len=4096)
 """Micro batch x tokens (BenchConfig.batch, BenchConfig.seq_len), as the other presets give them."""
 
-DEFAULTS = dict(model="llama", layers=16, d_model=2048, heads=32, vocab=128256, bf16=True, nprocs=1,
-                threads_per_rank=8, steps=8, warmup=2, repeats=2, contenders="floor,fsdp2,flatfsdp")
+MODEL = "llama"
+"""BenchConfig.model: the preset is what chooses the Llama (no flag does)."""
+
+DEFAULTS = dict(layers=16, d_model=2048, heads=32, vocab=128256, bf16=True, nprocs=1, threads_per_rank=8,
+                steps=8, warmup=2, repeats=2, contenders="floor,fsdp2,flatfsdp")
 """Everything else the preset chooses, as the command line's defaults (keyed by
 the parser's destinations): a flag given explicitly still wins, which is how
 tools/gpu_check.sh scales the same preset down to a CPU."""

@@ -1,14 +1,25 @@
-"""The benchmark's configuration: one frozen record built from the command line."""
+"""The benchmark's configuration: one frozen record built from the command line.
+
+Imports no torch (a dtype is looked up when asked for): `flatfsdp bench --help`
+and a bad flag answer before torch is imported. Flags `flatfsdp train` and
+`estimate` have too are defined once in flatfsdp.cli.flags.
+"""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from flatfsdp.bench import gpu_preset
 from flatfsdp.bench.wire import parse_rate
+from flatfsdp.cli import flags
+from flatfsdp.cli.flags import STRATEGIES, UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+PROG = "flatfsdp bench"
 
 CONTENDERS = ("floor", "fsdp2", "flatfsdp", "deepspeed")
 VARIANTS = ("flatfsdp-nocheck", "flatfsdp-fullbit", "fsdp2-compiled", "flatfsdp-compiled",
@@ -28,10 +39,11 @@ on CPU + gloo (little compute per byte gathered), large-batch compute-bound;
 gpu is a 1.2B Llama on one GPU (bench/gpu_preset.py)."""
 PRESET_DEFAULTS = {"gpu": gpu_preset.DEFAULTS}
 """Presets that choose more than the batch shape: their command-line defaults."""
-MODELS = ("gpt", "llama")
+PRESET_MODELS = {"gpu": gpu_preset.MODEL}
+"""Presets that train another model than the GPT."""
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""--grad-reduce-dtype names -> torch dtype names."""
 
 
 @dataclass(frozen=True)
@@ -87,16 +99,20 @@ class BenchConfig:
     """Simulated nodes behind ``link`` (1 or 2), ``nprocs`` ranks each; HSDP's
     outer dimension is then the node dimension."""
     model: str = "gpt"
-    """"gpt" (models/gpt.py) or "llama" (models/llama.py: Llama 3.2 1B's ratios at
-    ``layers`` x ``d_model``, ``heads`` query heads; ``context`` unused)."""
+    """"gpt" (models/gpt.py), or "llama" (models/llama.py, ``--preset gpu``: Llama
+    3.2 1B's ratios at ``layers`` x ``d_model``, ``heads`` query heads; ``context`` unused)."""
 
     @property
-    def compute_dtype(self) -> torch.dtype:
+    def compute_dtype(self) -> "torch.dtype":
+        import torch
+
         return torch.bfloat16 if self.bf16 else torch.float32
 
     @property
-    def reduce_dtype(self) -> torch.dtype:
-        return _DTYPES.get(self.grad_reduce_dtype, torch.float32) if self.bf16 else torch.float32
+    def reduce_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, _DTYPES.get(self.grad_reduce_dtype, "float32")) if self.bf16 else torch.float32
 
     @property
     def tolerance(self) -> float:
@@ -117,56 +133,83 @@ class BenchConfig:
         return cls(**{**values, "contenders": tuple(values["contenders"])})
 
 
+def add_model_flags(p: argparse.ArgumentParser, d: BenchConfig) -> None:
+    """The bench GPT's shape, under the names every command gives it (also for bench.trace, bench.save_stall)."""
+    flags.add(p, "--num-layers", dest="layers", default=d.layers, note="each one FSDP unit")
+    flags.add(p, "--hidden-size", dest="d_model", default=d.d_model)
+    flags.add(p, "--num-attention-heads", dest="heads", default=d.heads)
+    flags.add(p, "--vocab-size", dest="vocab", default=d.vocab, note="the output projection is tied to the embedding")
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="python -m flatfsdp.bench",
-                                          description="flatfsdp against FSDP2, DeepSpeed and the compute floor")
+    p = parser or flags.CommandParser(prog=PROG, description="flatfsdp against FSDP2, DeepSpeed and the compute "
+                                                             "floor: medians, ratios, bytes and memory against "
+                                                             "their minimum. See docs/benchmarks.md.")
     d = BenchConfig()
-    p.add_argument("--preset", choices=sorted(PRESETS), help="batch x tokens: small-batch 1x64, large-batch 4x256"
-                   " (default large-batch; --batch / --seq-len override it); gpu: a 1.2B Llama, 4x4096, bf16, one"
-                   " GPU (bench/gpu_preset.py; any flag given overrides it)")
-    p.add_argument("--model", choices=MODELS, default=d.model, help="GPT-2 or Llama shape (default gpt)")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--context", type=int, default=None, help="position-table rows (default max(256, seq-len))")
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None, help="micro batch per rank")
-    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per run")
-    p.add_argument("--repeats", type=int, default=d.repeats, help="alternating rounds")
-    p.add_argument("--nprocs", type=int, default=d.nprocs, help="local ranks (ignored under torchrun)")
-    p.add_argument("--threads-per-rank", type=int, default=d.threads_per_rank)
-    p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
-    p.add_argument("--grad-reduce-dtype", choices=sorted(_DTYPES) + ["int8"], default=d.grad_reduce_dtype,
-                   help="gradient reduction; FSDP2 and DeepSpeed follow it with --bf16 only; int8: flatfsdp only")
-    p.add_argument("--param-gather-dtype", choices=["int8", "fp8"], default=None,
-                   help="flatfsdp gathers weights as 8-bit codes (docs/lowbit.md)")
-    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help="flatfsdp's zero_dp_strategy")
-    p.add_argument("--contenders", default=",".join(d.contenders), help=f"comma list from {','.join(CONTENDERS + VARIANTS)}")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--loss-tol", type=float, default=None, help="loss agreement tolerance (default 2e-3 fp32, 5e-2 bf16 or low-bit)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="micro batch x tokens: small-batch 1x64, large-batch "
+                   "4x256 (default: large-batch; --micro-batch-size / --seq-length override it); gpu: a 1.2B "
+                   "Llama, 4x4096, bf16, one GPU (bench/gpu_preset.py; a flag given overrides what it chose)")
+    add_model_flags(p, d)
+    flags.add(p, "--max-position-embeddings", dest="context", default=None,
+              default_text="max(256, --seq-length), so both presets train the same model")
+    flags.add(p, "--seq-length", dest="seq_len", default=None, default_text="the preset's")
+    flags.add(p, "--micro-batch-size", dest="batch", default=None, default_text="the preset's")
+    p.add_argument("--steps", type=int, default=d.steps, metavar="N", help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
+                   help="untimed steps per run before the timed ones")
+    p.add_argument("--repeats", type=int, default=d.repeats, metavar="N",
+                   help="rounds of the alternating schedule, each running every contender once")
+    flags.add(p, "--nproc-per-node", dest="nprocs", default=d.nprocs)
+    p.add_argument("--threads-per-rank", type=int, default=d.threads_per_rank, metavar="N",
+                   help="intra-op threads per rank (torch.set_num_threads)")
+    flags.add(p, "--bf16")
+    flags.add(p, "--grad-reduce-dtype", default=d.grad_reduce_dtype,
+              note="FSDP2 and DeepSpeed follow it with --bf16 only; int8: flatfsdp only")
+    flags.add(p, "--param-gather-dtype", default=None, default_text="the compute dtype",
+              note="flatfsdp only (the others gather in the compute dtype)")
+    flags.add(p, "--data-parallel-sharding-strategy", dest="strategy", type=flags.parse_strategy, default=d.strategy,
+              note="flatfsdp's zero_dp_strategy")
+    p.add_argument("--contenders", default=",".join(d.contenders), metavar="NAME,NAME,...",
+                   help=f"comma list from {','.join(CONTENDERS + VARIANTS)}")
+    flags.add(p, "--lr", default=d.lr, note="constant, weight decay 0.01, the same for every contender")
+    flags.add(p, "--seed", default=d.seed)
+    p.add_argument("--loss-tol", type=float, default=None, metavar="X", help="largest |loss - reference| still "
+                   "counted as agreement (default: 2e-3 fp32, 5e-2 bf16 or low-bit)")
     p.add_argument("--link", default=None, metavar="RATE",
-                   help="run the ranks behind one link throttled to RATE (tc units: 2gbit, 500mbit); needs root")
-    p.add_argument("--nodes", type=int, default=d.nodes, choices=(1, 2),
-                   help="with --link: simulated nodes joined by the link, --nprocs ranks each")
-    p.add_argument("--out", default=None, help="directory for results.json and chart.png")
+                   help="run the ranks behind one link throttled to RATE (tc units: 2gbit, 500mbit); needs root "
+                        "(default: plain loopback)")
+    flags.add(p, "--nnodes", dest="nodes", default=d.nodes, choices=(1, 2),
+              note="simulated, with --link: joined by the link, --nproc-per-node ranks each")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="directory for results.json and chart.png (default: print the tables only)")
     return p
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """``parser.parse_args(argv)``, a preset of PRESET_DEFAULTS first setting
-    the defaults it chooses (flags given explicitly still win)."""
-    args = parser.parse_args(argv)
-    defaults = PRESET_DEFAULTS.get(args.preset)
+def parse(argv: list[str]) -> tuple[BenchConfig, str | None]:
+    """The configuration and --out of a command line; raises UsageError."""
+    parser = build_parser()
+    defaults = PRESET_DEFAULTS.get(_preset_named(argv))
     if defaults:
         unknown = set(defaults) - {action.dest for action in parser._actions}
         if unknown:  # a renamed flag must not leave a preset silently half-applied
-            raise ValueError(f"preset {args.preset!r} sets {sorted(unknown)}, which no flag of this parser sets")
-        parser.set_defaults(**defaults)
-        args = parser.parse_args(argv)
-    return args
+            raise ValueError(f"preset defaults {sorted(unknown)} are no flag's destination")
+        parser.set_defaults(**defaults)  # before parsing: a flag given explicitly still wins
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args), args.out
+    except SystemExit as exc:  # config_from_args's own refusals (it also serves callers of its own)
+        raise UsageError(str(exc.code)) from None
+
+
+def _preset_named(argv: list[str] | None) -> str | None:
+    """The value of --preset in ``argv`` (abbreviations are refused: it is spelled whole)."""
+    argv = list(argv or [])
+    for i, word in enumerate(argv):
+        if word == "--preset" and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith("--preset="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -181,14 +224,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if unknown or not names:
         raise SystemExit(f"unknown contender(s) {unknown}: choose from {', '.join(CONTENDERS)}")
     if min(args.steps, args.repeats, args.nprocs, args.threads_per_rank) < 1 or args.warmup < 0:
-        raise SystemExit("--steps, --repeats, --nprocs and --threads-per-rank must be >= 1, --warmup >= 0")
+        raise SystemExit("--steps, --repeats, --nproc-per-node and --threads-per-rank must be >= 1, --warmup >= 0")
     if args.link is not None:
         parse_rate(args.link)  # refuse a rate tc would misread before anything starts
     elif args.nodes > 1:
-        raise SystemExit("--nodes 2 needs --link RATE: the simulated nodes are joined by a throttled link")
+        raise SystemExit("--nnodes 2 needs --link RATE: the simulated nodes are joined by a throttled link")
     context = args.context or max(256, shape["seq_len"])
     if shape["seq_len"] > context:
-        raise SystemExit(f"--seq-len {shape['seq_len']} exceeds --context {context}")
+        raise SystemExit(f"--seq-length {shape['seq_len']} exceeds --max-position-embeddings {context}")
     return BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
                        context=context, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                        nprocs=args.nprocs, threads_per_rank=args.threads_per_rank, bf16=args.bf16,
@@ -196,4 +239,4 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        strategy=args.strategy, contenders=names,
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None,
-                       link=args.link, nodes=args.nodes, model=args.model, **shape)
+                       link=args.link, nodes=args.nodes, model=PRESET_MODELS.get(args.preset, "gpt"), **shape)

@@ -1,7 +1,7 @@
 """How long a checkpoint save stops training: synchronous against async, in one run.
 
     python -m flatfsdp.bench.save_stall                      # the bench GPT (33.7M)
-    python -m flatfsdp.bench.save_stall --d-model 768 --heads 12   # 110M
+    python -m flatfsdp.bench.save_stall --hidden-size 768 --num-attention-heads 12   # 110M
 
 Each round takes a synchronous save, then an async one of the same state
 (with one `StagingBuffers` kept across rounds, as `flatfsdp train` does)
@@ -24,7 +24,6 @@ loading that checkpoint gives back.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -38,7 +37,8 @@ from torch.distributed.tensor import DTensor
 
 import flatfsdp
 from flatfsdp import checkpoint
-from flatfsdp.bench.options import BenchConfig
+from flatfsdp.bench.options import BenchConfig, add_model_flags
+from flatfsdp.cli import flags
 from flatfsdp.bench.workload import build_model, build_optimizer, device, make_batches, param_count
 from flatfsdp.launch import launch
 from flatfsdp.models.gpt import TransformerBlock, lm_loss
@@ -114,16 +114,12 @@ def _worker(cfg: BenchConfig, rounds: int, root: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m flatfsdp.bench.save_stall", description=__doc__.split("\n")[0])
-    d = BenchConfig()
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--nprocs", type=int, default=2)
+    p = flags.CommandParser(prog="python -m flatfsdp.bench.save_stall", description=__doc__.split("\n")[0])
+    add_model_flags(p, BenchConfig())
+    p.add_argument("--rounds", type=int, default=5, help="rounds, each one synchronous and one async save")
+    flags.add(p, "--nproc-per-node", dest="nprocs", default=2)
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
-    a = p.parse_args(argv)
+    a = flags.parse_or_exit(p.parse_args, argv, p.prog)
     cfg = BenchConfig(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab, batch=1, seq_len=64,
                       steps=16, warmup=0)
     root = a.dir or tempfile.mkdtemp(prefix="flatfsdp-save-stall-")

@@ -10,15 +10,15 @@ communication the schedule did not hide behind compute.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from flatfsdp.bench.options import PRESETS, BenchConfig
+from flatfsdp.bench.options import PRESETS, BenchConfig, add_model_flags
 from flatfsdp.bench.workload import build_model, build_optimizer, device, make_batches
+from flatfsdp.cli import flags
 from flatfsdp.models.gpt import TransformerBlock
 
 WAITS = ("flatfsdp::wait_unshard", "flatfsdp::wait_reductions")
@@ -64,15 +64,16 @@ def _phases(prof, path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m flatfsdp.bench.trace", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small-batch")
-    for flag in ("layers", "d_model", "heads", "vocab", "context"):
-        parser.add_argument(f"--{flag.replace('_', '-')}", type=int, default=getattr(BenchConfig, flag))
-    parser.add_argument("--nprocs", type=int, default=2)
-    parser.add_argument("--strategy", default="optim_grads_params")
+    parser = flags.CommandParser(prog="python -m flatfsdp.bench.trace", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small-batch", help="micro batch x tokens")
+    add_model_flags(parser, BenchConfig())
+    flags.add(parser, "--max-position-embeddings", dest="context", default=BenchConfig.context)
+    flags.add(parser, "--nproc-per-node", dest="nprocs", default=2)
+    flags.add(parser, "--data-parallel-sharding-strategy", dest="strategy", type=flags.parse_strategy,
+              default="optim_grads_params")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the profiled one")
     parser.add_argument("--out", default="flatfsdp-trace", help="directory for trace_rank*.json")
-    args = parser.parse_args(argv)
+    args = flags.parse_or_exit(parser.parse_args, argv, parser.prog)
     shape = dict(PRESETS[args.preset])
     shape["seq_len"] = min(shape["seq_len"], args.context)
     cfg = BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,

@@ -12,6 +12,7 @@ from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import export_checkpoint
 from flatfsdp.checkpoint.hf_export import CONFIG_ENTRY as HF_CONFIG_ENTRY
 from flatfsdp.checkpoint.hf_export import export_hf
+from flatfsdp.checkpoint.hf_companions import companion_entries, read_tokenizer_record
 from flatfsdp.checkpoint.import_ import import_state_dict
 from flatfsdp.checkpoint.inspect import summarize
 from flatfsdp.checkpoint.manifest import MANIFEST_NAME
@@ -19,4 +20,5 @@ from flatfsdp.checkpoint.save_load import check_save_target, load, save
 from flatfsdp.checkpoint.staging import StagingBuffers
 
 __all__ = ["AsyncSave", "CheckpointError", "HF_CONFIG_ENTRY", "MANIFEST_NAME", "check_save_target", "export_checkpoint", "export_hf",
-           "import_state_dict", "load", "save", "StagingBuffers", "summarize", "wait_for_saves_in_flight"]
+           "import_state_dict", "load", "save", "StagingBuffers", "summarize", "wait_for_saves_in_flight",
+           "companion_entries", "read_tokenizer_record"]

@@ -9,7 +9,9 @@ so the export is export.py's streamed writer run once per shard: peak memory
 stays about max(budget, largest tensor). The config comes from the checkpoint
 (``flatfsdp train --hf-model`` saves it as the ``hf_config`` entry) or from a
 ``config.json`` given by the caller. A tied output embedding is written once,
-as ``save_pretrained`` does. The directory appears complete or not at all.
+as ``save_pretrained`` does. Beside them go the tokenizer the run trained with
+and generation_config.json (hf_companions.py). The directory appears complete
+or not at all.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import uuid
 
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import DEFAULT_BUDGET, _load_batch, _select, _write_safetensors
+from flatfsdp.checkpoint.hf_companions import write_companions, write_json
 from flatfsdp.checkpoint.lora_export import LORA_CONFIG_ENTRY, export_lora_hf
 from flatfsdp.checkpoint.save_load import open_checkpoint
 
@@ -76,7 +79,8 @@ def export_hf(directory, out_dir, *, config=None, prefix: str = "model.", max_sh
     empty. ``config``: a config.json (or a directory holding one) to use instead
     of the checkpoint's own. A LoRA checkpoint (a ``lora_config`` entry) is
     written merged, with its adapters in ``out_dir/adapter`` (lora_export.py).
-    Returns ``{"tensors", "bytes", "files"}``."""
+    Returns ``{"tensors", "bytes", "files", "tokenizer", "tokenizer_files"}`` (the
+    tokenizer's record, None when the checkpoint does not say which)."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointError(f"{out_dir} exists and is not an empty directory: will not overwrite it")
@@ -106,20 +110,13 @@ def export_hf(directory, out_dir, *, config=None, prefix: str = "model.", max_sh
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {c[1]: name for name, members in zip(names, shards) for c in members}}
-            _write_json(os.path.join(partial, "model.safetensors.index.json"), index)
-        _write_json(os.path.join(partial, "config.json"), hf_config)
+            write_json(os.path.join(partial, "model.safetensors.index.json"), index)
+        write_json(os.path.join(partial, "config.json"), hf_config)
+        companions = write_companions(reader, metadata, partial, hf_config)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty, checked above
         os.rename(partial, out_dir)
     finally:
         if os.path.exists(partial):
             shutil.rmtree(partial)
-    return {"tensors": len(tensors), "bytes": total, "files": len(shards)}
-
-
-def _write_json(path: str, value: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    return {"tensors": len(tensors), "bytes": total, "files": len(shards), **companions}

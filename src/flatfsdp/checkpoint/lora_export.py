@@ -27,6 +27,7 @@ import torch
 
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import _load_batch, _select
+from flatfsdp.checkpoint.hf_companions import write_companions, write_json
 from flatfsdp.checkpoint.safetensors_format import SafetensorsStreamWriter
 
 LORA_CONFIG_ENTRY = "lora_config"
@@ -98,7 +99,7 @@ def _write_adapters(folder: str, reader, adapters, config: dict) -> None:
         for key, name, _md in adapters:
             writer.write(name, loaded.pop(key))
         writer.close()
-    _write_json(os.path.join(folder, "adapter_config.json"), config)
+    write_json(os.path.join(folder, "adapter_config.json"), config)
 
 
 def export_lora_hf(reader, metadata, out_dir: str, hf_config: dict, prefix: str, tied_output: str) -> dict:
@@ -116,7 +117,8 @@ def export_lora_hf(reader, metadata, out_dir: str, hf_config: dict, prefix: str,
     try:
         total = _write_merged(os.path.join(partial, "model.safetensors"), reader, metadata.state_dict_metadata,
                               merged, _scale(config))
-        _write_json(os.path.join(partial, "config.json"), hf_config)
+        write_json(os.path.join(partial, "config.json"), hf_config)
+        companions = write_companions(reader, metadata, partial, hf_config)
         _write_adapters(os.path.join(partial, "adapter"), reader, adapters, config)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty, checked by the caller
@@ -124,12 +126,4 @@ def export_lora_hf(reader, metadata, out_dir: str, hf_config: dict, prefix: str,
     finally:
         if os.path.exists(partial):
             shutil.rmtree(partial)
-    return {"tensors": len(merged), "bytes": total, "files": 1, "adapters": len(adapters)}
-
-
-def _write_json(path: str, value: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    return {"tensors": len(merged), "bytes": total, "files": 1, "adapters": len(adapters), **companions}

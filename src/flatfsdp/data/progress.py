@@ -1,5 +1,7 @@
-"""A progress bar for tokenizing: tqdm if installed, else rich, else a plain
-line every few seconds (imported only when a bar is shown, never required)."""
+"""A progress bar for tokenizing: on a terminal tqdm if installed, else rich,
+else a plain line every few seconds (imported only when a bar is shown, never
+required); in a pipe or a log file always the plain lines -- a bar's
+carriage-return frames would fill a log with hundreds of half-lines."""
 
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ def progress_bar(total_bytes: int, label: str, show: bool):
     """An object with ``update(bytes)`` and ``close()``."""
     if not show:
         return _Silent()
+    if not sys.stderr.isatty():
+        return _Plain(total_bytes, label)
     try:
         from tqdm import tqdm
 

@@ -147,7 +147,7 @@ def _jsonl_text(raw: bytes, field: str, path: str, number: int) -> str:
     try:
         record = json.loads(_decode_line(raw, path, number))
     except json.JSONDecodeError as exc:
-        raise DataError(f"--data {path} line {number}: not JSON ({exc.msg})") from None
+        raise DataError(f"--data {path} line {number} column {exc.colno}: not JSON ({exc.msg})") from None
     if not isinstance(record, dict) or field not in record:
         fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
         raise DataError(f"--data {path} line {number}: no field {field!r} (it has: {fields}); "

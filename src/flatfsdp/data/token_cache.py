@@ -159,9 +159,10 @@ def _finished(directory: str) -> TokenFiles | None:
 
 
 def prepare(paths: list[str], field: str, tokenizer, cache_dir: str | None = None, *,
-            show_progress: bool = True) -> TokenFiles:
+            show_progress: bool = True, report: bool = True) -> TokenFiles:
     """The token files for ``paths``: found in the cache, else made now (by
-    this process, or by another one holding the lock, whom this one waits for)."""
+    this process, or by another one holding the lock, whom this one waits for).
+    ``report``: print one line saying which (False: the other processes of a node)."""
     sources = find_sources(paths)
     for source in sources:
         check_source(source, field)
@@ -173,11 +174,11 @@ def prepare(paths: list[str], field: str, tokenizer, cache_dir: str | None = Non
     key = cache_key(sources, field, tokenizer)
     final = os.path.join(cache_dir, key[:40])
     if (found := _finished(final)) is not None:
-        return found
+        return _reused(found, paths, tokenizer, report)
     with open(os.path.join(cache_dir, f"{key[:40]}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by close (or by the OS if this process dies)
-        if (found := _finished(final)) is not None:
-            return found
+        if (found := _finished(final)) is not None:  # another process tokenized while this one waited
+            return _reused(found, paths, tokenizer, report)
         partial = f"{final}.partial-{os.getpid()}"
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
@@ -191,7 +192,20 @@ def prepare(paths: list[str], field: str, tokenizer, cache_dir: str | None = Non
             os.rename(partial, final)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-    print(f"tokenized {meta['bytes'] / 1e6:.1f} MB into {meta['train_tokens'] + meta['eval_tokens']:,} tokens "
-          f"({meta['eval_documents']} of {meta['train_documents'] + meta['eval_documents']} documents held out) "
-          f"in {meta['seconds']:.1f} s ({meta['mb_per_s']} MB/s); cached in {final}", file=sys.stderr, flush=True)
+    if report:
+        print(f"tokenized {meta['bytes'] / 1e6:.1f} MB of {' '.join(paths)} with tokenizer {tokenizer.name} into "
+              f"{meta['train_tokens'] + meta['eval_tokens']:,} tokens ({meta['eval_documents']} of "
+              f"{meta['train_documents'] + meta['eval_documents']} documents held out) in {meta['seconds']:.1f} s "
+              f"({meta['mb_per_s']} MB/s); cached in {final}", file=sys.stderr, flush=True)
     return TokenFiles(final, meta)
+
+
+def _reused(found: TokenFiles, paths: list[str], tokenizer, report: bool) -> TokenFiles:
+    """A cache hit says what it used, as a miss does: silence would leave a
+    user guessing which text and which tokenizer the run trained on."""
+    meta = found.meta
+    if report:
+        print(f"using the cached tokens of {' '.join(paths)} with tokenizer {tokenizer.name}: "
+              f"{meta['train_tokens'] + meta['eval_tokens']:,} tokens ({meta['eval_tokens']:,} held out) in "
+              f"{found.directory}", file=sys.stderr, flush=True)
+    return found

@@ -16,12 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import flatfsdp
+from flatfsdp.cli.flags import STRATEGIES
 from flatfsdp.estimator.live_bytes import distinct_storages
 from flatfsdp.estimator.models import ModelSpec
 from flatfsdp.models.gpt import lm_loss
 from flatfsdp.train.step import apply_step, forward_backward
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ZERO_NAMES = {"no_shard": "ZeRO-0", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
 
 

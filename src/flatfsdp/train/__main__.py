@@ -1,6 +1,8 @@
-"""`python -m flatfsdp.train` is `flatfsdp train`."""
+"""`python -m flatfsdp.train` is `flatfsdp train` (parsed before torch is imported, as the command is)."""
 
-from flatfsdp.train.command import main
+import sys
+
+from flatfsdp.cli import main
 
 if __name__ == "__main__":
-    main()
+    main(["train", *sys.argv[1:]])

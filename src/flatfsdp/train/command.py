@@ -15,6 +15,8 @@ import tempfile
 import torch
 
 from flatfsdp import checkpoint
+from flatfsdp.cli.flags import fail, parse_or_exit
+from flatfsdp.data.tokenizer import TokenizerIdentity
 from flatfsdp.launch import LaunchInterrupted, launch, under_torchrun
 from flatfsdp.train import data, hf, own_data, resume
 from flatfsdp.train.loop import run
@@ -31,7 +33,7 @@ def default_nproc() -> int:
 def world_size(o: TrainOptions) -> int:
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
-    return o.nproc or default_nproc()
+    return o.nproc_per_node or default_nproc()
 
 
 def expected_model_shapes(o: TrainOptions, vocab_size: int) -> dict[str, tuple]:
@@ -46,26 +48,34 @@ def expected_model_shapes(o: TrainOptions, vocab_size: int) -> dict[str, tuple]:
 
 def check_before_launch(o: TrainOptions):
     """Everything that can fail on the user's input, so no rank starts to fail
-    (the --data text is tokenized now); returns the world size and the token files."""
+    (the text is tokenized now); returns the world size, the token files and
+    the tokenizer's identity (which checkpoints remember)."""
     world = world_size(o)
     if not under_torchrun() and torch.accelerator.is_available() and world > torch.accelerator.device_count():
-        raise UsageError(f"--nproc {world} is more than the {torch.accelerator.device_count()} accelerators here")
+        raise UsageError(f"--nproc-per-node {world} is more than the {torch.accelerator.device_count()} accelerators "
+                         "here")
     accumulation_steps(o, world)
     if o.hf_model is not None:
         hf.require_transformers()
     if o.lora_rank is not None:
         hf.require_peft()
-    tokenizer = own_data.tokenizer_for(o) if o.data else None
     if o.hf_model:
-        hf.check_pretrained(o.hf_model, tokenizer.vocab_size if tokenizer else data.VOCAB_SIZE, o.seq_length,
-                            "the tokenizer" if tokenizer else "the built-in data's byte values")
+        hf.require_model_folder(o.hf_model)  # a missing model says so, not that it has no tokenizer
+    tokenizer = own_data.tokenizer_for(o)
+    tokenized = own_data.data_paths(o, tokenizer) is not None
+    if o.hf_model:
+        hf.check_pretrained(o.hf_model, tokenizer.vocab_size if tokenized else data.VOCAB_SIZE, o.seq_length,
+                            f"the tokenizer ({tokenizer.name})" if tokenized else "the shipped text's byte values")
     check_paths(o)
-    files = own_data.prepare(o, tokenizer, show_progress=not o.no_progress)
+    identity = TokenizerIdentity.of(tokenizer)
+    if o.load:
+        resume.check_same_tokenizer(o.load, identity)
+    files = own_data.prepare(o, tokenizer, show_progress=not o.no_progress, report=own_data.reports_on_this_node())
     if o.load:
         resume.check_loadable(o.load, expected_model_shapes(o, own_data.data_vocab(o, files)))
     if files is None:
         check_sequence_fits(o)
-    return world, files
+    return world, files, identity
 
 
 def check_paths(o: TrainOptions) -> None:
@@ -106,11 +116,6 @@ def check_sequence_fits(o: TrainOptions) -> None:
                          f"shorter than {shortest - 1} bytes (the held-out part)")
 
 
-def _fail(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
 def _interrupted_at_start() -> None:
     print(f"{PROG}: interrupted before training started; nothing was saved", file=sys.stderr, flush=True)
     raise SystemExit(130)
@@ -118,22 +123,26 @@ def _interrupted_at_start() -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the command; returns rank 0's summary (this rank's under torchrun) when it finishes."""
+    return run_options(parse_or_exit(parse_options, argv, PROG))
+
+
+def run_options(o: TrainOptions) -> dict:
+    """The command on a parsed command line (`flatfsdp train` parses before importing torch)."""
     try:
-        o = parse_options(argv)
-        world, files = check_before_launch(o)
+        world, files, tokenizer = check_before_launch(o)
     except UsageError as exc:
-        _fail(str(exc))
+        fail(PROG, str(exc))
     except KeyboardInterrupt:  # Ctrl-C during the checks (reading the corpus, a checkpoint's metadata)
         _interrupted_at_start()
     threads = 1 if torch.accelerator.is_available() else max(1, (os.cpu_count() or 2) // world)
     try:
-        summary = launch(run, world, o, files, threads_per_rank=threads, forward_sigint=True,
+        summary = launch(run, world, o, files, tokenizer, threads_per_rank=threads, forward_sigint=True,
                          collective_timeout_s=o.timeout)
     except (LaunchInterrupted, KeyboardInterrupt):
         _interrupted_at_start()
     if summary.get("error"):
         if summary["rank"] == 0:
-            _fail(summary["error"])
+            fail(PROG, summary["error"])
         raise SystemExit(2)
     if summary["interrupted"]:
         if summary["rank"] == 0:

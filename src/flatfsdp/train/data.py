@@ -31,6 +31,11 @@ class Corpus:
     """Held-out byte tokens, never trained on."""
 
 
+def corpus_path() -> str:
+    """The shipped text's file (for a tokenizer, which reads it as --data)."""
+    return str(resources.files("flatfsdp.data").joinpath("corpus.txt"))
+
+
 def load_corpus(eval_fraction: float = EVAL_FRACTION) -> Corpus:
     """The shipped text, split at the paragraph break nearest the held-out share."""
     text = resources.files("flatfsdp.data").joinpath("corpus.txt").read_bytes()
@@ -121,6 +126,6 @@ class UserData:
 
     def describe(self) -> dict:
         meta = self.files.meta
-        return {"data": meta["sources"], "token_cache": self.files.directory, "tokenizer": meta["tokenizer"],
+        return {"data": meta["sources"], "token_cache": self.files.directory,
                 "train_tokens": meta["train_tokens"], "eval_tokens": meta["eval_tokens"],
                 "train_documents": meta["train_documents"], "eval_documents": meta["eval_documents"]}

@@ -71,15 +71,19 @@ def require_peft() -> None:
         raise UsageError("--lora-rank needs the peft package: pip install 'flatfsdp[lora]'")
 
 
+def require_model_folder(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--hf-model {path}: no config.json there (a local Hugging Face model directory; "
+                         "nothing is downloaded)")
+
+
 def check_pretrained(path: str, vocab_needed: int, seq_length: int, what: str) -> None:
     """Before any rank starts: the directory holds a config and safetensors weights,
     its embedding has a row for every id ``what`` (the tokenizer) can produce,
     and its positions cover ``seq_length``."""
     from transformers import AutoConfig
 
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(f"--hf-model {path}: no config.json there (a local Hugging Face model directory; "
-                         "nothing is downloaded)")
+    require_model_folder(path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         checkpoint_entries(path)
@@ -98,6 +102,15 @@ def check_pretrained(path: str, vocab_needed: int, seq_length: int, what: str) -
 def config_json(model: nn.Module) -> str:
     """The model's full config (defaults included), saved with checkpoints so they export to HF format."""
     return model.config.to_json_string(use_diff=False)
+
+
+def generation_config_json(path: str) -> str | None:
+    """``path``'s generation_config.json as it is, if it has one."""
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def loss_fn(model: nn.Module):

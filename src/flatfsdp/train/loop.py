@@ -19,6 +19,7 @@ import flatfsdp
 from flatfsdp import checkpoint
 from flatfsdp.checkpoint import CheckpointError
 from flatfsdp.checkpoint.lora_export import LORA_CONFIG_ENTRY
+from flatfsdp.data.tokenizer import TokenizerIdentity
 from flatfsdp.train import own_data, resume
 from flatfsdp.train.interrupt import StopRequest
 from flatfsdp.train.memory import gather_memory_mb
@@ -31,13 +32,14 @@ from flatfsdp.train.schedule import lr_at
 from flatfsdp.train.step import apply_step, eval_loss_sums, forward_backward
 
 
-def run(o: TrainOptions, token_files=None) -> dict:
-    """Entry point of every rank (flatfsdp.launch calls it). ``token_files``:
-    the --data token cache the launcher prepared (None: find or make it here).
+def run(o: TrainOptions, token_files=None, tokenizer: TokenizerIdentity | None = None) -> dict:
+    """Entry point of every rank (flatfsdp.launch calls it). ``token_files``
+    and ``tokenizer``: the token cache and the tokenizer's identity the
+    launcher prepared (None: find or make them here).
     Problems the user can fix come back as ``{"error": ...}`` for the launcher to print."""
     try:
         with StopRequest() as stop:
-            return Trainer(o, stop, token_files).train()
+            return Trainer(o, stop, token_files, tokenizer).train()
     except (UsageError, CheckpointError) as exc:
         return {"error": str(exc), "rank": dist.get_rank()}
 
@@ -70,15 +72,19 @@ def resolve_run_dir(o: TrainOptions) -> str:
 
 
 class Trainer:
-    def __init__(self, o: TrainOptions, stop: StopRequest, token_files=None):
+    def __init__(self, o: TrainOptions, stop: StopRequest, token_files=None,
+                 tokenizer: TokenizerIdentity | None = None):
         self.o, self.stop = o, stop
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = rank_device()
         self.accumulation = accumulation_steps(o, self.world)
         self.tokens_per_step = o.micro_batch_size * self.accumulation * self.world * o.seq_length
         self.run_dir = resolve_run_dir(o)
-        if o.data and token_files is None:
-            token_files = own_data.prepare(o, show_progress=not o.no_progress)
+        if tokenizer is None:  # called directly, not by the command (which prepared both before launching)
+            loaded = own_data.tokenizer_for(o)
+            tokenizer = TokenizerIdentity.of(loaded)
+            token_files = own_data.prepare(o, loaded, show_progress=not o.no_progress, report=self.rank == 0)
+        self.tokenizer = tokenizer
         self.data = own_data.open_data(o, token_files)
         built = build_model(o, self.device, self.data.vocab_size)
         self.parameters = sum(p.numel() for p in built.model.parameters())
@@ -86,6 +92,9 @@ class Trainer:
         self.loss = built.loss
         self.extra_entries = {k: v for k, v in ((checkpoint.HF_CONFIG_ENTRY, built.hf_config),
                                                 (LORA_CONFIG_ENTRY, built.lora_config)) if v is not None}
+        # Which tokenizer, and its files: --load refuses another, an export writes them beside the weights.
+        self.extra_entries.update(checkpoint.companion_entries(tokenizer.record(), tokenizer.files,
+                                                               built.hf_generation_config))
         self.model, self.optimizer = shard(built, o)
         self.data_flags = {"seed": o.seed, "global_batch_size": o.micro_batch_size * self.world * self.accumulation,
                            "seq_length": o.seq_length}
@@ -109,7 +118,7 @@ class Trainer:
         return {**dataclasses.asdict(self.o), "world_size": self.world, "accumulation_steps": self.accumulation,
                 "device": str(self.device), "parameters": self.parameters, "trainable_parameters": self.trainable,
                 "resumed_from_step": self.first_step, "tokens_per_step": self.tokens_per_step,
-                **self.data.describe()}
+                **self.data.describe(), "tokenizer": self.tokenizer.record()}
 
     def _maybe_resume(self) -> int:
         if not self.o.load:

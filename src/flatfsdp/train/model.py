@@ -29,6 +29,8 @@ class BuiltModel:
     """A transformers model's config as JSON: saved with checkpoints, so they export to Hugging Face format."""
     lora_config: str | None = None
     """--lora-rank: the adapters' settings as JSON, saved with checkpoints (export merges or writes them)."""
+    hf_generation_config: str | None = None
+    """The --hf-model folder's generation_config.json, saved with checkpoints (export writes it back)."""
 
 
 def _gpt_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -48,7 +50,7 @@ def build_model(o: TrainOptions, device: torch.device, vocab_size: int) -> Built
             from flatfsdp.train import lora
             lora_config = lora.add_adapters(model, o)
         return BuiltModel(model, units, hf.loss_fn(model), pretrained=o.hf_model, hf_config=config,
-                          lora_config=lora_config)
+                          lora_config=lora_config, hf_generation_config=hf.generation_config_json(o.hf_model))
     if o.hf_model is not None:  # bare --hf-model
         torch.manual_seed(o.seed)
         model = hf.build_llama(o, vocab_size)

@@ -1,5 +1,13 @@
-"""`--data`: the user's text, tokenized once into the token cache (flatfsdp.data),
-and the checks that it suits the model -- all before training starts.
+"""The text a run trains on and the tokenizer that turns it into ids, tokenized
+once into the token cache (flatfsdp.data), and the checks that they suit the
+model -- all before training starts.
+
+The tokenizer: ``--tokenizer DIR|bytes``, else the one in the ``--hf-model DIR``
+folder (a folder without one is refused), else byte tokens. The text:
+``--data``, else the shipped text -- as raw bytes for byte tokens (the
+original, window-anywhere sampler of train/data.py), through the token cache
+like any --data for a real tokenizer (a model fine-tuned on it must see the ids
+its tokenizer gives, never byte values).
 
 The launcher prepares the cache once per node (under torchrun every process
 calls `prepare`, and the cache's file lock lets one tokenize while the others
@@ -8,7 +16,9 @@ wait); the ranks then only map the files.
 
 from __future__ import annotations
 
-from flatfsdp.train.data import VOCAB_SIZE, ShippedText, UserData
+import os
+
+from flatfsdp.train.data import VOCAB_SIZE, ShippedText, UserData, corpus_path
 from flatfsdp.train.options import TrainOptions, UsageError
 
 
@@ -22,29 +32,47 @@ def tokenizer_for(o: TrainOptions):
         raise UsageError(str(exc)) from None
 
 
-def prepare(o: TrainOptions, tokenizer=None, *, show_progress: bool):
-    """The token files of ``--data`` (None without it): made now or found in the cache."""
-    if not o.data:
+def data_paths(o: TrainOptions, tokenizer) -> list[str] | None:
+    """What goes through the token cache: --data, or the shipped text for a real
+    tokenizer; None: the shipped text as bytes."""
+    from flatfsdp.data.tokenizer import ByteTokenizer
+
+    if o.data:
+        return list(o.data)
+    return None if isinstance(tokenizer, ByteTokenizer) else [corpus_path()]
+
+
+def prepare(o: TrainOptions, tokenizer, *, show_progress: bool, report: bool = True):
+    """The token files of the run's text (None for the shipped text as bytes): made now or found in the cache.
+    ``report``: say which in one line (False: the other processes of a node)."""
+    paths = data_paths(o, tokenizer)
+    if paths is None:
         return None
     from flatfsdp.data import token_cache
     from flatfsdp.data.sources import DataError
 
-    tokenizer = tokenizer or tokenizer_for(o)
     try:
-        files = token_cache.prepare(list(o.data), o.data_field, tokenizer, o.data_cache, show_progress=show_progress)
+        files = token_cache.prepare(paths, o.data_field, tokenizer, o.data_cache, show_progress=show_progress,
+                                    report=report)
     except DataError as exc:
         raise UsageError(str(exc)) from None
     check_windows(o, files)
     return files
 
 
+def reports_on_this_node() -> bool:
+    """One process per node says what it tokenized or found: the launcher, or torchrun's local rank 0."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def check_windows(o: TrainOptions, files) -> None:
+    what_text = "--data" if o.data else "the shipped text"
     for split, what in (("train", "training"), ("eval", "held-out")):
         tokens = files.meta[f"{split}_tokens"]
         if tokens < o.seq_length + 2:
             hint = (" (one document in 20 is held out: pass more documents)" if split == "eval"
                     else "")
-            raise UsageError(f"--data: the {what} documents hold {tokens} tokens, fewer than one sequence of "
+            raise UsageError(f"{what_text}: the {what} documents hold {tokens} tokens, fewer than one sequence of "
                              f"--seq-length {o.seq_length} + 1{hint}")
 
 

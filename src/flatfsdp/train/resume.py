@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from flatfsdp import checkpoint
+from flatfsdp.data.tokenizer import TokenizerIdentity, same_tokenizer
 from flatfsdp.train.options import TrainOptions, UsageError
 
 _DATA_FLAGS = ("seed", "global_batch_size", "seq_length")
@@ -82,6 +83,20 @@ def load(directory: str, model, optimizer, values: dict[str, int], device: torch
             torch.get_device_module(device.type).set_rng_state(train["rng_device"][rank].clone(), device.index)
     changed = {k: (int(train[k]), v) for k, v in values.items() if f"train.{k}" in saved and int(train[k]) != v}
     return {"step": int(train["step"]), "changed": changed, "rng_restored": same_world}
+
+
+def check_same_tokenizer(directory: str, tokenizer: TokenizerIdentity) -> None:
+    """Before any rank starts (and before any tokenizing): the checkpoint's run
+    used this tokenizer, when it says which (older checkpoints and imported
+    weights do not)."""
+    try:
+        saved = checkpoint.read_tokenizer_record(directory)
+    except checkpoint.CheckpointError as exc:
+        raise UsageError(f"--load {directory}: {exc}") from None
+    if saved is not None and not same_tokenizer(saved, tokenizer):
+        raise UsageError(f"--load {directory} was trained with the tokenizer {saved['name']} (sha256 "
+                         f"{saved['sha256'][:12]}), this run would use {tokenizer.name} (sha256 "
+                         f"{tokenizer.sha256[:12]}), whose ids mean other text: pass --tokenizer {saved['name']}")
 
 
 def check_loadable(directory: str, expected: dict[str, tuple]) -> None:

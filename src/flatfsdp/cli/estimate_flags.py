@@ -1,0 +1,88 @@
+"""`flatfsdp estimate`'s flags and the checks that need no model: parsed
+before torch is imported (flatfsdp.estimator.cli runs the estimate)."""
+
+from __future__ import annotations
+
+import argparse
+
+from flatfsdp.cli import flags
+from flatfsdp.cli.flags import UsageError
+
+PROG = "flatfsdp estimate"
+BUILT_IN_MODELS = ("gpt-tiny", "gpt2-1.5b", "gpt2-124m", "gpt2-350m", "gpt2-774m", "llama-3-70b", "llama-3-8b")
+"""flatfsdp.estimator.models.BUILT_IN, named here without importing torch (a test holds them equal)."""
+
+
+def _strategies(text: str) -> list[str]:
+    names = [flags.parse_strategy(s) for s in text.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected one or more of {', '.join(flags.STRATEGIES)} or 0-3")
+    return names
+
+
+def _world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: expected comma-separated integers") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected positive integers")
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = flags.CommandParser(
+        prog=PROG,
+        description="Per-rank memory (persistent by role, transient peak, activations, peak) and bytes per step "
+                    "per collective and mesh dimension, for several world sizes: the real sharded model, built "
+                    "for one rank under torch's fake process group on fake tensors. See docs/scale.md.")
+    parser.add_argument("--model", default="gpt2-1.5b",
+                        help=f"built-in ({', '.join(BUILT_IN_MODELS)}), a config.json or a directory holding one, a "
+                             "Hugging Face hub name, or package.module:function returning the model")
+    parser.add_argument("--units", nargs="+", metavar="CLASS",
+                        help="sharding units: class names or import paths (default: the model's decoder layers)")
+    parser.add_argument("--world-sizes", type=_world_sizes, default="8,64,256,1024", metavar="N,N,...",
+                        help="world sizes to estimate, comma-separated")
+    flags.add(parser, "--data-parallel-sharding-strategy", type=_strategies, default="optim_grads_params",
+              note="several, comma-separated, are estimated side by side")
+    parser.add_argument("--hsdp-shard", type=int, metavar="N",
+                        help="HSDP: shard each replica over this many ranks, world / this many replicas "
+                             "(default: no HSDP, one replica over every rank)")
+    parser.add_argument("--hfsdp", action="store_true", help="with --hsdp-shard: shard the optimizer state "
+                                                             "across replicas too (HFSDP)")
+    flags.add(parser, "--tensor-model-parallel-size", default=1,
+              note="the package's GPT: its MLPs; Llama-family models: attention and MLP projections")
+    flags.add(parser, "--bf16")
+    flags.add(parser, "--grad-reduce-in-bf16", note="the whole-gradient buffers of ZeRO-0/1 halve")
+    flags.add(parser, "--param-gather-dtype", default_text="the compute dtype")
+    flags.add(parser, "--grad-reduce-dtype", default_text="fp32, or bf16 with --grad-reduce-in-bf16")
+    parser.add_argument("--defer-reductions", action="store_true",
+                        help="sync_model_each_microbatch=False (what flatfsdp train passes): reductions may land "
+                             "after backward, cross-replica ones at the optimizer step")
+    flags.add(parser, "--micro-batch-size", default=1)
+    flags.add(parser, "--seq-length", default=1024)
+    flags.add(parser, "--recompute", default="none")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="add DeepSpeed's model-state formula for each row (its estimate_zero*_model_states)")
+    parser.add_argument("--check", action="store_true",
+                        help="also run each layout for real on this machine (gloo, one process per rank) and "
+                             "print predicted against measured; world sizes up to 8")
+    out = parser.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print JSON (default: a text table)")
+    out.add_argument("--markdown", action="store_true", help="print a markdown table")
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked as far as it can be without the model; raises UsageError."""
+    args = build_parser().parse_args(argv)
+    if args.hfsdp and args.hsdp_shard is None:
+        raise UsageError("--hfsdp needs --hsdp-shard (the ranks each replica shards over)")
+    for name in ("micro_batch_size", "seq_length", "tensor_model_parallel_size", "hsdp_shard"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.check and max(args.world_sizes) > 8:
+        raise UsageError("--check runs every rank on this machine: keep --world-sizes at 8 or below")
+    if args.grad_reduce_dtype == "fp32":
+        args.grad_reduce_dtype = None  # the estimator's "no low-bit reduction"
+    return args
