@@ -77,6 +77,10 @@ def memory_worker(rank, world):
     """Peak RSS while a meta model is sharded and initialised, against the
     whole model's size and what the rank keeps."""
     full_bytes = sum(p.numel() * 4 for p in GPT(dataclasses.replace(BIG)).parameters())
+    # `import flatfsdp` binds the engine lazily, and the first sharding imports
+    # more (torch's compiler stack): shard a tiny model first, or the mark
+    # counts those imports (tens of MB) as this initialisation.
+    _values(_one_call(CFG)[0])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model, _ = _one_call(BIG)
     for unit in [m for m in model.modules() if isinstance(m, flatfsdp.FSDPModule)]:
