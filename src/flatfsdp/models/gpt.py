@@ -72,9 +72,9 @@ class GPTEmbedding(nn.Embedding):
         return embedding_with_handoff(idx, self.weight, grad_handoff)
 
 
-def _residual_std(config: "GPTConfig") -> float:
-    """Projections into the residual stream shrink with depth (GPT-2)."""
-    return INIT_STD / math.sqrt(2 * config.n_layer)
+def residual_std(n_layer: int) -> float:
+    """Projections into the residual stream shrink with depth (GPT-2; the Llama too)."""
+    return INIT_STD / math.sqrt(2 * n_layer)
 
 
 class CausalSelfAttention(nn.Module):
@@ -84,7 +84,7 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"d_model={config.d_model} is not divisible by n_head={config.n_head}")
         self.n_head = config.n_head
         self.qkv = GPTLinear(config.d_model, 3 * config.d_model)
-        self.proj = GPTLinear(config.d_model, config.d_model, std=_residual_std(config))
+        self.proj = GPTLinear(config.d_model, config.d_model, std=residual_std(config.n_layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
@@ -99,7 +99,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.fc = GPTLinear(config.d_model, 4 * config.d_model)
-        self.proj = GPTLinear(4 * config.d_model, config.d_model, std=_residual_std(config))
+        self.proj = GPTLinear(4 * config.d_model, config.d_model, std=residual_std(config.n_layer))
         self.remake_activation = config.recompute == "none"
         """Under activation checkpointing the block's saved tensors are its business."""
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flatfsdp.models.chunked_loss import chunked_cross_entropy
-from flatfsdp.models.gpt import GPTEmbedding, GPTLinear, INIT_STD
+from flatfsdp.models.gpt import GPTEmbedding, GPTLinear, residual_std
 from flatfsdp.models.tied_embedding import WeightGradHandoff
 
 
@@ -67,11 +67,6 @@ def llama_param_count(config: LlamaConfig) -> int:
     return config.vocab_size * d + config.n_layer * per_block + d
 
 
-def _residual_std(config: LlamaConfig) -> float:
-    """Projections into the residual stream shrink with depth (as in gpt.py)."""
-    return INIT_STD / (2 * config.n_layer) ** 0.5
-
-
 def rotary_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency), fp32, ``[seq, head_dim // 2]``."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
@@ -95,7 +90,7 @@ class GroupedQueryAttention(nn.Module):
         self.config = config
         kv = config.n_kv_head * config.head_dim
         self.qkv = GPTLinear(config.d_model, config.d_model + 2 * kv, bias=False)
-        self.proj = GPTLinear(config.d_model, config.d_model, bias=False, std=_residual_std(config))
+        self.proj = GPTLinear(config.d_model, config.d_model, bias=False, std=residual_std(config.n_layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -118,7 +113,7 @@ class SwiGLU(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.gate_up = GPTLinear(config.d_model, 2 * config.ffn_dim, bias=False)
-        self.down = GPTLinear(config.ffn_dim, config.d_model, bias=False, std=_residual_std(config))
+        self.down = GPTLinear(config.ffn_dim, config.d_model, bias=False, std=residual_std(config.n_layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)

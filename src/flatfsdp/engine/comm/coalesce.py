@@ -167,20 +167,13 @@ def reduce(members: list[ReduceRequest], *, async_op: bool, stream: SideStream |
         pending.then.append(unpack)
     follows = [m.follow for m in members if m.follow is not None]
     if follows:
-        pending.chain(lambda: _joined([follow() for follow in follows]))
+        pending.chain(lambda: Pending.joined([follow() for follow in follows]))
     for m in members:
         m.pending = pending
         pending.then.extend(m.then)
     units = ", ".join(dict.fromkeys(f"'{m.unit}'" for m in members))
     pending.label = f"unit {units}: gradient reduction {pending.label}"
     return pending
-
-
-def _joined(stages: list[Pending]) -> Pending:
-    """Several collectives in flight as one (members' follow-ups travel together)."""
-    first = stages[0]
-    return Pending(works=[w for p in stages for w in p.works], then=[c for p in stages for c in p.then],
-                   group=first.group, label=first.label, timeout_s=first.timeout_s, kind=first.kind)
 
 
 def _all_reduce_packed(members: list[ReduceRequest], async_op: bool,

@@ -52,6 +52,18 @@ class Pending:
     followed: bool = False
     """A follow-up stage has been issued: the first stage's inputs are spent."""
 
+    @classmethod
+    def joined(cls, stages: list["Pending"], **fields) -> "Pending":
+        """Several collectives in flight as one: their works waited together,
+        their callbacks in order, the first's label and transport unless
+        ``fields`` say otherwise. Peers stay paired with their works where every
+        stage is pairwise (None, a collective, if any is not)."""
+        first = stages[0] if stages else cls()
+        peers = (None if any(p.peers is None for p in stages) else [peer for p in stages for peer in p.peers])
+        described = dict(group=first.group, label=first.label, timeout_s=first.timeout_s, kind=first.kind)
+        return cls(works=[w for p in stages for w in p.works], then=[c for p in stages for c in p.then],
+                   peers=peers, **{**described, **fields})
+
     def chain(self, issue: Callable[[], "Pending"]) -> None:
         """Once what is in flight lands and the callbacks added so far ran,
         ``issue()`` the next collective; callbacks added after this call run

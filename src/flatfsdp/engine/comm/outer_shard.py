@@ -152,13 +152,6 @@ class OuterShard:
             gathers = [shard.all_gather(part, out) for shard, part, out in
                        zip((codes, scales, plains), (code_piece, scale_piece, plain_piece), row.parts(own))
                        if shard.numel]
-        return Pending(works=[w for g in gathers for w in g.works], then=[c for g in gathers for c in g.then],
-                       peers=_joined_peers(gathers), group=self.group, label="(outer all_gather)",
-                       timeout_s=self.transport.timeout_s, kind="all_gather")
+        return Pending.joined(gathers, group=self.group, label="(outer all_gather)",
+                              timeout_s=self.transport.timeout_s, kind="all_gather")
 
-
-def _joined_peers(pendings: list[Pending]) -> list | None:
-    """The peers of several pairwise exchanges' works, in the same order (None if any is a collective)."""
-    if any(p.peers is None for p in pendings):
-        return None
-    return [peer for p in pendings for peer in p.peers]
