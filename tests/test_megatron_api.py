@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +16,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.functional import mse_loss
 
 import flatfsdp
-from flatfsdp.engine.front.keywords import ACCEPTED_NO_OPS, MEGATRON_KEYWORDS, MEGATRON_READ
+from flatfsdp.engine.front import keyword_table, keywords
+from flatfsdp.engine.front.keyword_table import EVERY, MEGATRON, GivenKeywords, Keyword
+from flatfsdp.engine.front.megatron_buffers import DDPConfig
 from flatfsdp.engine.layout.precision import resolve_policy
 from harness import run_ranks
+
+
+MEGATRON_KEYWORDS = [k.name for k in MEGATRON]
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "megatron.md"
 
 
 def _positional(fn) -> list[str]:
@@ -34,10 +42,70 @@ def test_the_front_doors_take_megatron_fsdps_parameters_in_its_order():
         assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in extra), fn.__name__
 
 
-def test_every_megatron_keyword_is_read_or_a_documented_no_op():
-    assert set(MEGATRON_KEYWORDS) == set(MEGATRON_READ) | (set(ACCEPTED_NO_OPS) & set(MEGATRON_KEYWORDS))
-    assert not set(MEGATRON_READ) & set(ACCEPTED_NO_OPS)
-    assert all(reason for reason in ACCEPTED_NO_OPS.values())
+def test_every_keyword_says_how_it_is_read_or_why_it_is_a_no_op():
+    assert all(bool(k.reads) != bool(k.no_op) for k in EVERY)
+    with pytest.raises(ValueError, match="say how it is read or why it is a no-op"):
+        Keyword("x", None, "Any", reads="the mesh", no_op="nothing")
+    with pytest.raises(ValueError, match="say how it is read or why it is a no-op"):
+        Keyword("x", None, "Any")
+    assert len({k.name for k in EVERY}) == len(EVERY), "a keyword written twice"
+
+
+def test_the_signatures_are_the_tables():
+    for fn, tables in ((flatfsdp.fully_shard, keyword_table.FSDP2 + keyword_table.OWN),
+                       (flatfsdp.fully_shard_model, keyword_table.OWN)):
+        params = inspect.signature(fn).parameters
+        for k in MEGATRON + tables:
+            assert params[k.name].default == k.default, (fn.__name__, k.name)
+        assert [p.name for p in params.values() if p.kind is p.KEYWORD_ONLY] == [k.name for k in tables]
+
+
+def test_a_keyword_not_in_the_table_is_an_error_not_a_none():
+    given = GivenKeywords()
+    assert given.zero_dp_strategy == 3 and given.sync_model_each_microbatch is True
+    with pytest.raises(AttributeError, match="dvice_mesh"):
+        given.dvice_mesh
+    with pytest.raises(TypeError, match=r"fully_shard_model\(\) got unexpected keyword argument\(s\) \['dvice_mesh'\]"):
+        flatfsdp.fully_shard_model(nn.Linear(2, 2), dvice_mesh=None)
+    with pytest.raises(TypeError, match="mesh"):
+        flatfsdp.fully_shard_model(nn.Linear(2, 2), mesh=None)  # FSDP2's keyword: the per-module door's only
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        flatfsdp.fully_shard_model(nn.Linear(2, 2), *([None] * (len(MEGATRON) + 1)))
+    with pytest.raises(TypeError, match="multiple values for argument 'device_mesh'"):
+        flatfsdp.fully_shard(nn.Linear(2, 2), None, None, device_mesh=None)
+
+
+def test_every_options_field_is_mapped_or_a_keyword_of_that_name():
+    assert set(keywords._COPIED) <= {k.name for k in EVERY}
+
+
+def test_ddp_config_is_checked_against_the_table():
+    fields = {f.name: f for f in dataclasses.fields(DDPConfig)}
+    for k in MEGATRON:
+        if k.ddp_field is not None:
+            assert k.ddp_field in fields, k.name
+            assert fields[k.ddp_field].default == k.default, k.name
+
+
+def _documented_rows() -> list[tuple[list[str], str]]:
+    """(keywords, text) of each row of the front doors' table in docs/megatron.md."""
+    section = DOCS.read_text().split("## The front doors", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            rows.append((re.findall(r"`([a-z_0-9]+)`", cells[0]), cells[1]))
+    return rows
+
+
+def test_docs_table_names_every_megatron_keyword_once_and_says_which_are_no_ops():
+    rows = _documented_rows()
+    named = [name for names, _ in rows for name in names]
+    assert sorted(named) == sorted(MEGATRON_KEYWORDS)
+    by_name = {k.name: k for k in MEGATRON}
+    for names, text in rows:
+        for name in names:
+            assert text.startswith("no-op") == bool(by_name[name].no_op), (name, text)
 
 
 def test_the_signatures_match_the_installed_megatron_fsdp():

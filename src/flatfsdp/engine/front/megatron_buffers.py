@@ -14,11 +14,11 @@ views differ from the buffers they stand for.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
 
+from flatfsdp.engine.front.keyword_table import MEGATRON, GivenKeywords
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.options import ShardOptions
 from flatfsdp.engine.layout.strategy import ShardingStrategy
@@ -33,7 +33,10 @@ class DDPConfig:
     """Megatron-FSDP's ``DistributedDataParallelConfig`` fields, as the front
     door's keywords set them. A record of what was asked: the engine read
     the keywords once (front/keywords.py), so changing a field here changes
-    nothing (as in Megatron-FSDP, which reads its config at construction)."""
+    nothing (as in Megatron-FSDP, which reads its config at construction).
+    A field a keyword sets as given is that keyword's ``ddp_field`` in
+    front/keyword_table, with the keyword's default (a test holds the two
+    together)."""
 
     data_parallel_sharding_strategy: str = "optim_grads_params"
     outer_dp_sharding_strategy: str = "no_shard"
@@ -58,49 +61,43 @@ class DDPConfig:
     use_megatron_fsdp: bool = True
 
     @classmethod
-    def from_keywords(cls, given: dict[str, Any], options: ShardOptions) -> "DDPConfig":
+    def from_keywords(cls, given: GivenKeywords, options: ShardOptions) -> "DDPConfig":
+        """The fields the engine's reading decides, then those each keyword
+        sets as given (keyword_table's ``ddp_field``)."""
         policy = options.policy
         outer = "optim" if options.mesh.outer_shards_optimizer else "no_shard"
+        as_given = {k.ddp_field: bool(getattr(given, k.name)) for k in MEGATRON if k.ddp_field is not None}
         return cls(
             data_parallel_sharding_strategy=_STRATEGY_NAMES[options.strategy], outer_dp_sharding_strategy=outer,
-            check_for_nan_in_grad=bool(given.get("report_nan_in_param_grad")),
             bucket_size=options.bucket_bytes or None,
             megatron_fsdp_main_params_dtype=policy.main_params_dtype,
             megatron_fsdp_main_grads_dtype=policy.main_grads_dtype,
-            megatron_fsdp_grad_comm_dtype=policy.reduce_dtype,
-            megatron_fsdp_use_decoupled_grad=bool(given.get("use_decoupled_grad")),
-            megatron_fsdp_cuda_graph_mode=bool(given.get("cuda_graph_mode")),
-            megatron_fsdp_enable_fine_grained_param_gather=bool(given.get("enable_fine_grained_param_gather")),
-            megatron_fsdp_max_pool_double_buffer=bool(given.get("maxpool_double_buffer")),
-            **{name: bool(given.get(name, default)) for name, default in (
-                ("overlap_grad_reduce", True), ("overlap_param_gather", True), ("average_in_collective", False),
-                ("keep_fp8_transpose_cache", False), ("nccl_ub", False), ("fsdp_double_buffer", False),
-                ("fsdp_db_use_persist_buf_on_alloc_fail", False), ("disable_symmetric_registration", False))})
+            megatron_fsdp_grad_comm_dtype=policy.reduce_dtype, **as_given)
 
 
 class DistributedIndex:
     """Megatron-FSDP's ``FSDPDistributedIndex``: the meshes and process groups
     the model is sharded and reduced over."""
 
-    def __init__(self, given: dict[str, Any], options: ShardOptions):
+    def __init__(self, given: GivenKeywords, options: ShardOptions):
         mesh = options.mesh
-        self.device_mesh = given.get("device_mesh") if given.get("device_mesh") is not None else mesh.spmd
-        self.dp_shard_dim = given.get("dp_shard_dim")
-        self.dp_outer_dim = given.get("dp_outer_dim")
-        self.tp_dim = given.get("tp_dim")
+        self.device_mesh = given.device_mesh if given.device_mesh is not None else mesh.spmd
+        self.dp_shard_dim = given.dp_shard_dim
+        self.dp_outer_dim = given.dp_outer_dim
+        self.tp_dim = given.tp_dim
         self.use_hybrid_fsdp = mesh.outer is not None
         self.hsdp_outer_dp_shard = mesh.outer_shards_optimizer
-        self.expt_device_mesh = given.get("expt_device_mesh")
+        self.expt_device_mesh = given.expt_device_mesh
         self.fsdp_group = mesh.shard.get_group()
         self.outer_fsdp_group = mesh.outer.get_group() if mesh.outer is not None else None
-        self._hybrid_fsdp_group = given.get("hybrid_fsdp_group")
+        self._hybrid_fsdp_group = given.hybrid_fsdp_group
         self._spmd = mesh.spmd
-        self.hybrid_fsdp_expt_group = given.get("hybrid_fsdp_expt_group")
+        self.hybrid_fsdp_expt_group = given.hybrid_fsdp_expt_group
         expert = options.expert_mesh
         self.expt_fsdp_group = expert.shard.get_group() if expert is not None else None
         self.expt_outer_fsdp_group = None
-        self.fsdp_group_ag = given.get("fsdp_group_ag")
-        self.expt_fsdp_group_ag = given.get("expt_fsdp_group_ag")
+        self.fsdp_group_ag = given.fsdp_group_ag
+        self.expt_fsdp_group_ag = given.expt_fsdp_group_ag
 
     @property
     def hybrid_fsdp_group(self):

@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatfsdp.engine.front.keyword_table import GivenKeywords
 from flatfsdp.engine.front.megatron_buffers import DDPConfig, DistributedIndex, ParamAndGradBufferView
 from flatfsdp.engine.front.shard_unit import is_expert
 from flatfsdp.engine.layout.mesh import mesh_device
 from flatfsdp.engine.layout.options import ShardOptions
-from flatfsdp.engine.runtime.fsdp_module import FSDPModule
+from flatfsdp.engine.runtime.fsdp_module import swap_class
 from flatfsdp.engine.runtime.unit_state import unit_states
 
 MEMBERS = frozenset({
@@ -39,8 +40,6 @@ MEMBERS = frozenset({
 """Megatron-FSDP's ``MegatronFSDP`` members flatfsdp answers (no_sync is FSDPModule's own;
 finish_grad_sync, FSDPModule's too, is overridden by MegatronMembers' own, a superset)."""
 _WRITABLE = frozenset({"model_auto_sync", "microbatch_count"})
-
-_CLASS_CACHE: dict[type, type] = {}
 
 
 class MegatronMembers:
@@ -97,18 +96,11 @@ class FsdpParamMarker:
         return self._view()
 
 
-def adopt_megatron_members(model: nn.Module, given: dict[str, Any], options: ShardOptions, classes: tuple) -> None:
+def adopt_megatron_members(model: nn.Module, given: GivenKeywords, options: ShardOptions, classes: tuple) -> None:
     """Give the root of a one-call sharding Megatron-FSDP's members."""
     view = MegatronView(model, given, options, classes)
-    cls = type(model)
-    if cls not in _CLASS_CACHE:
-        made = type(cls.__name__, (MegatronMembers, cls), {"__module__": cls.__module__,
-                                                           "__qualname__": cls.__qualname__})
-        # torch's FSDPModule.__new__ finds the user's class at this index of the MRO.
-        made._orig_cls_mro_index = made.__mro__.index(cls.__mro__[cls._orig_cls_mro_index])
-        _CLASS_CACHE[cls] = made
     model.__dict__["_flatfsdp_megatron"] = view
-    model.__class__ = _CLASS_CACHE[cls]
+    swap_class(model, MegatronMembers)
     for state in view.states():
         for group in state.groups:
             for param in group.sharded_params:
@@ -129,17 +121,17 @@ def megatron_views_of(params) -> list["MegatronView"]:
 class MegatronView:
     """Megatron-FSDP's ``MegatronFSDP`` members, on a model flatfsdp sharded."""
 
-    def __init__(self, model: nn.Module, given: dict[str, Any], options: ShardOptions, classes: tuple):
+    def __init__(self, model: nn.Module, given: GivenKeywords, options: ShardOptions, classes: tuple):
         self._model = weakref.ref(model)
         self.ddp_config = DDPConfig.from_keywords(given, options)
         self.dist_index = DistributedIndex(given, options)
         self.device = mesh_device(options.mesh.shard)
         self.fsdp_unit_modules = list(classes)
         self.data_parallel_sharding_strategy = self.ddp_config.data_parallel_sharding_strategy
-        policy = given.get("mixed_precision_policy")
-        self._policy = policy if policy is not None else given.get("mp_policy")
+        policy = given.mixed_precision_policy
+        self._policy = policy if policy is not None else given.mp_policy
         self._engine_policy = options.policy
-        self._auto_sync = bool(given.get("sync_model_each_microbatch", True))
+        self._auto_sync = bool(given.sync_model_each_microbatch)
         self._backwards_at_sync = 0
         self._experts = options.expert_mesh is not None
 

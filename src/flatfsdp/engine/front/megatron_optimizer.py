@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from flatfsdp.engine.front.megatron_model import megatron_views_of
-
-_CLASS_CACHE: dict[type, type] = {}
+from flatfsdp.engine.runtime.fsdp_module import swap_class
 
 
 class MegatronOptimizerMixin:
@@ -42,13 +41,7 @@ class MegatronOptimizerMixin:
 
 def take_megatron_keywords(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer.zero_grad`` take ``zero_grad_buffer=`` (its class swapped once)."""
-    cls = type(optimizer)
-    if issubclass(cls, MegatronOptimizerMixin):
-        return
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(cls.__name__, (MegatronOptimizerMixin, cls),
-                                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    optimizer.__class__ = _CLASS_CACHE[cls]
+    swap_class(optimizer, MegatronOptimizerMixin)
 
 
 def before_megatron_step(optimizer: torch.optim.Optimizer, kwargs: dict) -> dict:

@@ -67,7 +67,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], options: ShardOptions, *, n
         groups = [g.get_group() for g in (mesh.shard, mesh.outer) if g is not None and g.size() > 1]
         found = take_first_replica(label, values, groups, device)
         if found:
-            warn_first_replica_taken(found, stacklevel=3)
+            warn_first_replica_taken(found, stacklevel=4)
         values_differ = "skip"
     for dp_group in (mesh.shard, mesh.outer):
         if dp_group is not None and dp_group.size() > 1:
@@ -223,7 +223,7 @@ def _choose_placements(slots: list[ParamSlot], mesh: DataParallelMesh, strategy:
     if kept_whole:
         warnings.warn(f"unit '{unit}': no dimension of {', '.join(kept_whole)} splits over {world} ranks in whole "
                       f"shard_block={shard_block} blocks; these stay replicated (gradients all-reduced)",
-                      stacklevel=4)
+                      stacklevel=5)
     return out
 
 

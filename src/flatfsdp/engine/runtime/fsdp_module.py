@@ -20,8 +20,6 @@ from flatfsdp.engine.runtime.torch_fsdp2_view import Fsdp2StateView, file_torch_
 from flatfsdp.engine.comm.user_comms import check_comm
 from flatfsdp.engine.runtime.unit_state import UnitState
 
-_CLASS_CACHE: dict[type, type] = {}
-
 
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``: ``wait()`` blocks until the
@@ -382,10 +380,30 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def become_fsdp_module(module: nn.Module, state: UnitState) -> None:
-    """Swap the instance's class for ``FSDP<Class>`` (cached per class)."""
-    cls = type(module)
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    """Swap the instance's class for ``FSDP<Class>``."""
     module._flatfsdp_state = state
-    module.__class__ = _CLASS_CACHE[cls]
+    swap_class(module, FSDPModule, prefix="FSDP")
     file_torch_state(module, state)
+
+
+def swap_class(instance: object, mixin: type, *, prefix: str = "") -> None:
+    """Make ``instance``'s class ``mixin`` in front of its own class, as FSDP2
+    does to a sharded module (a sharded unit's ``FSDP<Class>``, the one-call
+    root's Megatron members, a bound optimizer's Megatron ``zero_grad``).
+    Named ``prefix + Class``; without a prefix it passes for the class itself.
+    Each (mixin, class) pair is made once, here, so instances of one class
+    share one swapped class."""
+    if not isinstance(instance, mixin):
+        instance.__class__ = _swapped(mixin, type(instance), prefix)
+
+
+@functools.cache
+def _swapped(mixin: type, cls: type, prefix: str) -> type:
+    attrs = {"__module__": cls.__module__}
+    if not prefix:
+        attrs["__qualname__"] = cls.__qualname__
+    made = type(prefix + cls.__name__, (mixin, cls), attrs)
+    if issubclass(cls, TorchFSDPModule):
+        # torch's FSDPModule.__new__ finds the user's class at this index of the MRO.
+        made._orig_cls_mro_index = made.__mro__.index(cls.__mro__[cls._orig_cls_mro_index])
+    return made
