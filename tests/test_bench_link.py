@@ -13,12 +13,15 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from flatfsdp.bench.link_counters import LinkProbe, NodeLayout, split_sent
+from flatfsdp.bench import netsim
 from flatfsdp.bench.netsim import Network, missing_for_link, require_link_support
 from flatfsdp.bench.options import BenchConfig, parse
 from flatfsdp.bench.wire import engine_directions, line_to_beat, parse_rate, wire_figures, wire_limit_s
@@ -61,9 +64,28 @@ def test_refused_without_root_or_tools_naming_what_is_missing(tmp_path):
         require_link_support(euid=1000)
     missing = missing_for_link(0, which=lambda tool: None if tool in ("ip", "tc") else "/bin/" + tool)
     assert missing == ["the `ip` command (iproute2)", "the `tc` command (iproute2)"]
-    assert "tools/netsim" in missing_for_link(0, scripts=tmp_path)[0]
+    assert f"one_link.sh, two_nodes.sh and teardown.sh in {tmp_path}" in missing_for_link(0, scripts=tmp_path)[0]
     everything = missing_for_link(1000, which=lambda tool: None, scripts=tmp_path)
     assert len(everything) == 5  # root, ip, tc, bash, the scripts: all named at once
+
+
+def test_the_scripts_ship_in_the_wheel_where_an_installed_bench_looks(tmp_path):
+    """--link from an installed flatfsdp: the wheel holds the scripts beside
+    bench/netsim.py, where SCRIPTS points (no source checkout needed)."""
+    root = Path(__file__).resolve().parent.parent
+    assert netsim.SCRIPTS == Path(netsim.__file__).resolve().parent / "netsim_scripts"
+    assert missing_for_link(0, which=lambda tool: "/bin/" + tool) == []
+    project = tmp_path / "project"
+    shutil.copytree(root / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, project / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "dist"), str(project)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("flatfsdp-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for script in ("one_link", "two_nodes", "teardown"):
+        assert f"flatfsdp/bench/netsim_scripts/{script}.sh" in names
 
 
 # ---- the wire limit from measured bytes ----------------------------------------------------

@@ -17,7 +17,7 @@ Files, one concept each:
 * ``report``    -- medians, ratios and loss agreement from the run records;
 * ``tables``/``chart`` -- the markdown tables and chart.png (``__main__`` writes results.json);
 * behind a throttled link (``--link``, ``--nnodes 2``): ``netsim`` (the namespaces, made by
-  tools/netsim), ``link_runs`` (each run as torchrun per node inside them), ``link_rank``
+  its netsim_scripts), ``link_runs`` (each run as torchrun per node inside them), ``link_rank``
   (what those ranks run), ``link_counters`` (crossing bytes: interface counters and the
   engine's per-peer account), ``wire`` (the wire limit) and ``wire_table``.
 """

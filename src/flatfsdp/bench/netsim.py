@@ -1,6 +1,8 @@
 """A throttled network on one host for the benchmark, made of Linux network
-namespaces by the scripts in the project's ``tools/netsim`` (one_link.sh,
-two_nodes.sh, teardown.sh; each says what it builds and why).
+namespaces by the scripts shipped beside this module, in
+``flatfsdp/bench/netsim_scripts`` (one_link.sh, two_nodes.sh, teardown.sh;
+each says what it builds and why): package data, so an installed flatfsdp
+has them as a source checkout does.
 
 * ``--link RATE``: one namespace whose loopback carries at most RATE, both
   directions together; every rank runs inside it.
@@ -21,8 +23,8 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-SCRIPTS = Path(__file__).resolve().parents[3] / "tools" / "netsim"
-"""tools/netsim of the source checkout this module runs from."""
+SCRIPTS = Path(__file__).resolve().parent / "netsim_scripts"
+"""The scripts, package data of flatfsdp.bench (pyproject.toml's package-data)."""
 MASTER_ADDRS = {1: "127.0.0.1", 2: "169.254.77.1"}
 """Where node 0's rank 0 listens: the namespace's loopback; node a's end of the wire (two_nodes.sh)."""
 _SETUP_TIMEOUT_S = 60.0
@@ -42,7 +44,8 @@ def missing_for_link(euid: int, which: Callable[[str], str | None] = shutil.whic
     missing += [f"the `{tool}` command ({pkg})" for tool, pkg in (("ip", "iproute2"), ("tc", "iproute2"),
                                                                    ("bash", "bash")) if which(tool) is None]
     if not all((scripts / f"{name}.sh").is_file() for name in ("one_link", "two_nodes", "teardown")):
-        missing.append(f"the scripts of tools/netsim (looked in {scripts}; they ship with a source checkout)")
+        missing.append(f"the netsim scripts one_link.sh, two_nodes.sh and teardown.sh in {scripts} (package "
+                       "data of flatfsdp.bench; reinstall flatfsdp if they are gone)")
     return missing
 
 

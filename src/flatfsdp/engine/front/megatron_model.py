@@ -27,7 +27,7 @@ from flatfsdp.engine.front.megatron_buffers import DDPConfig, DistributedIndex, 
 from flatfsdp.engine.front.shard_unit import is_expert
 from flatfsdp.engine.layout.mesh import mesh_device
 from flatfsdp.engine.layout.options import ShardOptions
-from flatfsdp.engine.runtime.fsdp_module import swap_class
+from flatfsdp.engine.runtime.class_swap import swap_class
 from flatfsdp.engine.runtime.unit_state import unit_states
 
 MEMBERS = frozenset({

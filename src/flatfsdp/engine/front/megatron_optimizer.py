@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from flatfsdp.engine.front.megatron_model import megatron_views_of
-from flatfsdp.engine.runtime.fsdp_module import swap_class
+from flatfsdp.engine.runtime.class_swap import swap_class
 
 
 class MegatronOptimizerMixin:

@@ -15,6 +15,7 @@ from torch import nn
 
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from flatfsdp.engine.runtime.class_swap import swap_class
 from flatfsdp.engine.runtime.conversion import adopt_converted
 from flatfsdp.engine.runtime.torch_fsdp2_view import Fsdp2StateView, file_torch_state
 from flatfsdp.engine.comm.user_comms import check_comm
@@ -384,26 +385,3 @@ def become_fsdp_module(module: nn.Module, state: UnitState) -> None:
     module._flatfsdp_state = state
     swap_class(module, FSDPModule, prefix="FSDP")
     file_torch_state(module, state)
-
-
-def swap_class(instance: object, mixin: type, *, prefix: str = "") -> None:
-    """Make ``instance``'s class ``mixin`` in front of its own class, as FSDP2
-    does to a sharded module (a sharded unit's ``FSDP<Class>``, the one-call
-    root's Megatron members, a bound optimizer's Megatron ``zero_grad``).
-    Named ``prefix + Class``; without a prefix it passes for the class itself.
-    Each (mixin, class) pair is made once, here, so instances of one class
-    share one swapped class."""
-    if not isinstance(instance, mixin):
-        instance.__class__ = _swapped(mixin, type(instance), prefix)
-
-
-@functools.cache
-def _swapped(mixin: type, cls: type, prefix: str) -> type:
-    attrs = {"__module__": cls.__module__}
-    if not prefix:
-        attrs["__qualname__"] = cls.__qualname__
-    made = type(prefix + cls.__name__, (mixin, cls), attrs)
-    if issubclass(cls, TorchFSDPModule):
-        # torch's FSDPModule.__new__ finds the user's class at this index of the MRO.
-        made._orig_cls_mro_index = made.__mro__.index(cls.__mro__[cls._orig_cls_mro_index])
-    return made

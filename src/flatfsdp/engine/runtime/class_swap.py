@@ -1,0 +1,33 @@
+"""The one place an instance's class is swapped for a subclass of its own,
+as FSDP2 does to a sharded module: a sharded unit's ``FSDP<Class>``
+(fsdp_module), the one-call root's Megatron members (front/megatron_model),
+a bound optimizer's Megatron ``zero_grad`` (front/megatron_optimizer).
+``isinstance`` checks and the instance's behaviour survive; each
+(mixin, class) pair is made once, so instances of one class share one
+swapped class."""
+
+from __future__ import annotations
+
+import functools
+
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+
+def swap_class(instance: object, mixin: type, *, prefix: str = "") -> None:
+    """Make ``instance``'s class ``mixin`` in front of its own class (nothing
+    when it has the mixin already). Named ``prefix + Class``; without a
+    prefix it passes for the class itself."""
+    if not isinstance(instance, mixin):
+        instance.__class__ = _swapped(mixin, type(instance), prefix)
+
+
+@functools.cache
+def _swapped(mixin: type, cls: type, prefix: str) -> type:
+    attrs = {"__module__": cls.__module__}
+    if not prefix:
+        attrs["__qualname__"] = cls.__qualname__
+    made = type(prefix + cls.__name__, (mixin, cls), attrs)
+    if issubclass(cls, TorchFSDPModule):
+        # torch's FSDPModule.__new__ finds the user's class at this index of the MRO.
+        made._orig_cls_mro_index = made.__mro__.index(cls.__mro__[cls._orig_cls_mro_index])
+    return made
