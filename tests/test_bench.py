@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 
 from flatfsdp.bench.__main__ import main as bench_main
+from flatfsdp.bench.options import parse
+from flatfsdp.bench.report import summarise
+from flatfsdp.bench.run_records import read_runs
 from flatfsdp.launch import RankFailed, launch
 from flatfsdp.models.gpt import GPT, GPTConfig
 
@@ -28,10 +31,28 @@ ROW_FIELDS = {"step_s", "step_s_range", "tokens_per_s", "peak_mb", "peak_mb_rang
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def bench_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     bench_main(TINY + ["--contenders", "floor,fsdp2,flatfsdp", "--out", str(out)])
-    return json.loads((out / "results.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(bench_out):
+    return json.loads((bench_out / "results.json").read_text())
+
+
+def test_each_run_left_its_record_as_it_ended(bench_out, results):
+    """runs.jsonl: one line per run, what results.json's runs hold, and the
+    bench's own summary of them is results.json's (what tools/gpu_check reads
+    of a bench stopped before the end)."""
+    runs, notes = read_runs(bench_out / "runs.jsonl")
+    assert [r["contender"] for r in runs] == ["floor", "fsdp2", "flatfsdp"] and notes == {}
+    assert runs == json.loads(json.dumps(results["runs"]))
+    cfg, _ = parse(TINY + ["--contenders", "floor,fsdp2,flatfsdp"])
+    again = json.loads(json.dumps(summarise(cfg, runs, notes), default=str))
+    assert again["rows"]["flatfsdp"]["step_s"] == results["summary"]["rows"]["flatfsdp"]["step_s"]
+    assert again["rows"]["fsdp2"]["share_over_floor"] == results["summary"]["rows"]["fsdp2"]["share_over_floor"]
 
 
 def test_results_have_every_field(results):

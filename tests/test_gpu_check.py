@@ -15,6 +15,7 @@ import torch
 from flatfsdp.bench.flops import flops_per_token, step_flops
 from flatfsdp.bench.options import parse
 from flatfsdp.bench.report import summarise
+from flatfsdp.bench.run_records import RunRecords
 from flatfsdp.bench.theory import min_state_bytes
 from flatfsdp.bench.workload import build_model, llama_config
 from flatfsdp.models.llama import llama_param_count
@@ -92,9 +93,14 @@ def _out_dir(tmp_path: Path, bench_args: list[str], finished: bool) -> Path:
         (tmp_path / "bench").mkdir()
         (tmp_path / "bench" / "results.json").write_text(json.dumps(dict(
             config=cfg.as_dict(), environment={}, summary=summarise(cfg, runs, {}), runs=runs), default=str))
-    lines = [f"[bench] round 1/2 {r['contender']:9s} median step {r['step_times'][0]:.3f} s, peak "
-             f"{r['peak_bytes'][0] / 2**20:.0f} MB/rank, run 30 s" for r in runs[:2]]
-    (tmp_path / "bench.log").write_text("\n".join(lines + ["[bench] flatfsdp failed in round 1:", "Traceback"]))
+    else:  # cut off: the runs that finished left their records, one line each (bench/run_records.py)
+        records = RunRecords(tmp_path / "bench")
+        for run in runs[:2]:
+            records.ran(run)
+        records.failed("flatfsdp", 0, "CUDA error: out of memory")
+        with records.path.open("a") as f:
+            f.write('{"contender": "fsdp2", "ro')  # a line cut off mid-write by the time limit
+    (tmp_path / "bench.log").write_text("[bench] flatfsdp failed in round 1:\nTraceback")
     return tmp_path
 
 
@@ -117,7 +123,8 @@ def test_report_has_the_device_versions_and_every_figure(tmp_path, finished):
         assert rows["flatfsdp"]["share_over_floor"] == pytest.approx(1 - 0.5 / 0.55)
     else:  # cut off: what the log shows, said so
         assert set(rows) == {"floor", "fsdp2"} and "TIMED OUT" in text and "did not finish" in text
-        assert data["bench"]["notes"] == {"flatfsdp": "failed (see bench.log)"}
+        assert data["bench"]["notes"] == {"flatfsdp": "failed in round 1: CUDA error: out of memory"}
+        assert "bench/runs.jsonl" in text and rows["fsdp2"]["runs"] == 1
         assert rows["fsdp2"]["share_over_floor"] == pytest.approx(1 - 0.5 / 0.6)
     assert rows["fsdp2"]["tokens_per_s"] == pytest.approx(tokens / 0.6)
     assert rows["fsdp2"]["tflops_per_rank"] == pytest.approx(flops / 0.6 / 1e12)

@@ -4,25 +4,22 @@ tools/gpu_check.sh left in its output folder.
     python tools/gpu_check/report.py OUT_DIR --bench-args "--preset gpu ..."
 
 Reads environment.json, phases.txt (one "name exit-status seconds" line a
-phase), device_checks.json, bench/results.json and bench.log. Whatever is
-missing is said so, not guessed: a bench cut off by its time limit is reported
-from the per-run lines of its log (median step and peak memory of each run
-that finished), with tokens/s and model TFLOP/s worked out from the preset.
+phase), device_checks.json, and the bench's bench/results.json -- or, for a
+bench cut off by its time limit, bench/runs.jsonl, the record of each run
+that finished (flatfsdp/bench/run_records.py), summarised by the bench's own
+report.summarise, so the figures are the ones results.json would hold.
+Whatever is missing is said so, not guessed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
-import statistics
 from pathlib import Path
 
 TIMED_OUT = 124
 """timeout(1)'s exit status when it stopped a phase."""
-RUN_LINE = re.compile(r"\[bench\] round \d+/\d+ (\S+)\s+median step ([\d.]+) s, peak (\d+) MB/rank")
-FAILED_LINE = re.compile(r"\[bench\] (\S+) failed in round \d+:")
 
 
 def _read_json(path: Path) -> dict | None:
@@ -57,42 +54,27 @@ def bench_config(bench_args: list[str]):
     return cfg, n_params
 
 
-def _row(name: str, step_s: float, peak_mb: float, cfg, n_params: int) -> dict:
-    from flatfsdp.bench.flops import step_flops
-
-    tokens = cfg.batch * cfg.seq_len
-    return dict(contender=name, step_s=step_s, tokens_per_s=tokens * cfg.nprocs / step_s,
-                tflops_per_rank=step_flops(n_params, cfg.layers, cfg.d_model, cfg.seq_len, tokens) / step_s / 1e12,
-                peak_gb=peak_mb / 1024)
-
-
-def rows_from_log(log: str, cfg, n_params: int) -> tuple[list[dict], dict[str, str]]:
-    """Rows from the per-run lines of a bench that did not write results.json."""
-    runs: dict[str, list[tuple[float, float]]] = {}
-    for name, step, peak in RUN_LINE.findall(log):
-        runs.setdefault(name, []).append((float(step), float(peak)))
-    rows = [dict(_row(name, statistics.median(s for s, _ in found), max(p for _, p in found), cfg, n_params),
-                 runs=len(found)) for name, found in runs.items()]
-    _add_share(rows)
-    return rows, {name: "failed (see bench.log)" for name in FAILED_LINE.findall(log)}
-
-
-def rows_from_results(results: dict) -> tuple[list[dict], dict[str, str]]:
+def rows_from_summary(summary: dict) -> tuple[list[dict], dict[str, str]]:
+    """The report's rows from the bench's summary (bench/report.summarise)."""
     rows = []
-    for name, row in results["summary"]["rows"].items():
+    for name, row in summary["rows"].items():
         rows.append(dict(contender=name, runs=row["runs"], step_s=row["step_s"], tokens_per_s=row["tokens_per_s"],
                          tflops_per_rank=row["tflops_per_rank"], peak_gb=row["peak_mb"] / 1024,
                          share_over_floor=row["share_over_floor"], time_vs_fsdp2=row["time_vs_fsdp2"],
                          last_loss=row["last_loss"], loss_ok=row["loss_ok"], host_waited_s=row.get("exposed_s")))
-    return rows, dict(results["summary"]["notes"])
+    return rows, dict(summary["notes"])
 
 
-def _add_share(rows: list[dict]) -> None:
-    floor = next((r for r in rows if r["contender"] == "floor"), None)
-    fsdp2 = next((r for r in rows if r["contender"] == "fsdp2"), None)
-    for row in rows:
-        row["share_over_floor"] = 1 - floor["step_s"] / row["step_s"] if floor else None
-        row["time_vs_fsdp2"] = row["step_s"] / fsdp2["step_s"] if fsdp2 else None
+def _summary_of_finished_runs(out: Path, cfg) -> dict | None:
+    """What the bench's own report makes of the runs that finished (None: no records)."""
+    from flatfsdp.bench.report import summarise
+    from flatfsdp.bench.run_records import RUNS_FILE, read_runs
+
+    path = out / "bench" / RUNS_FILE
+    if not path.exists():
+        return None
+    runs, notes = read_runs(path)
+    return summarise(cfg, runs, notes)
 
 
 def bench_section(out: Path, bench_args: list[str], phase: dict | None) -> dict:
@@ -101,11 +83,11 @@ def bench_section(out: Path, bench_args: list[str], phase: dict | None) -> dict:
     log_path = out / "bench.log"
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
     if results is not None:
-        rows, notes = rows_from_results(results)
-        source = "bench/results.json"
+        summary, source = results["summary"], "bench/results.json"
     else:
-        rows, notes = rows_from_log(log, cfg, n_params)
-        source = "bench.log (the bench did not finish: runs that did)"
+        summary = _summary_of_finished_runs(out, cfg) or dict(rows={}, notes={})
+        source = "bench/runs.jsonl (the bench did not finish: runs that did)"
+    rows, notes = rows_from_summary(summary)
     from flatfsdp.bench.tables import header, markdown
 
     full = markdown(cfg, results["summary"], results["runs"][0]["world"]) if results and results["runs"] else None

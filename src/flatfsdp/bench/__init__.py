@@ -14,6 +14,7 @@ Files, one concept each:
 * ``theory``    -- minimum bytes communicated and model-state bytes per strategy;
 * ``measure``   -- one contender run on one rank (what the launched ranks execute);
 * ``runner``    -- the alternating schedule, one fresh process group per run;
+* ``run_records`` -- each run's record, one JSON line in runs.jsonl as the run ends;
 * ``report``    -- medians, ratios and loss agreement from the run records;
 * ``tables``/``chart`` -- the markdown tables and chart.png (``__main__`` writes results.json);
 * behind a throttled link (``--link``, ``--nnodes 2``): ``netsim`` (the namespaces, made by

@@ -1,5 +1,6 @@
 """`python -m flatfsdp.bench` (also `flatfsdp bench`): run the contenders,
-print the tables, write results.json and chart.png under --out."""
+print the tables, write results.json and chart.png under --out (and, as each
+run ends, its record to runs.jsonl there: run_records.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from flatfsdp.bench.chart import write_chart
 from flatfsdp.bench.link_runs import run_behind_link
 from flatfsdp.bench.options import PROG, BenchConfig, parse
 from flatfsdp.bench.report import summarise
+from flatfsdp.bench.run_records import RunRecords
 from flatfsdp.bench.runner import is_reporting_rank, run_all
 from flatfsdp.bench.tables import header, markdown
 from flatfsdp.cli.flags import parse_or_exit
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
 def run_parsed(parsed: tuple[BenchConfig, str | None]) -> dict:
     """The bench on a parsed command line (flatfsdp.bench.options.parse): runs, prints, writes --out."""
     cfg, out = parsed
-    runs, notes = run_behind_link(cfg) if cfg.link else run_all(cfg)
+    records = RunRecords(Path(out) if out and is_reporting_rank() else None)
+    runs, notes = run_behind_link(cfg, records) if cfg.link else run_all(cfg, records=records)
     summary = summarise(cfg, runs, notes)
     if not is_reporting_rank():
         return summary

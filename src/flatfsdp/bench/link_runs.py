@@ -26,6 +26,7 @@ from pathlib import Path
 from flatfsdp.bench.measure import run_contender
 from flatfsdp.bench.netsim import Network, require_link_support
 from flatfsdp.bench.options import BenchConfig
+from flatfsdp.bench.run_records import RunRecords
 from flatfsdp.bench.runner import run_all
 from flatfsdp.launch import RankFailed, launch, under_torchrun
 
@@ -39,13 +40,13 @@ _POLL_S = 0.2
 _GRACE_S = 5.0
 
 
-def run_behind_link(cfg: BenchConfig) -> tuple[list[dict], dict[str, str]]:
+def run_behind_link(cfg: BenchConfig, records: RunRecords) -> tuple[list[dict], dict[str, str]]:
     """``runner.run_all`` with every run behind the link ``cfg.link`` describes."""
     require_link_support()
     if under_torchrun():
         raise SystemExit("--link starts its own ranks inside network namespaces: run it without torchrun")
     with Network(cfg.link, cfg.nodes) as net, tempfile.TemporaryDirectory(prefix="flatfsdp-link-") as workdir:
-        return run_all(cfg, run_one=LinkRuns(net, cfg, Path(workdir)))
+        return run_all(cfg, run_one=LinkRuns(net, cfg, Path(workdir)), records=records)
 
 
 class LinkRuns:

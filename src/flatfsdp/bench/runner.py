@@ -17,6 +17,7 @@ from typing import Callable
 from flatfsdp.bench.contenders import REGISTRY
 from flatfsdp.bench.measure import run_contender
 from flatfsdp.bench.options import BenchConfig
+from flatfsdp.bench.run_records import RunRecords
 from flatfsdp.launch import RankFailed, launch, under_torchrun
 
 
@@ -30,9 +31,12 @@ def launch_locally(cfg: BenchConfig, name: str) -> dict:
 
 
 def run_all(cfg: BenchConfig, verbose: bool = True,
-            run_one: Callable[[BenchConfig, str], dict] = launch_locally) -> tuple[list[dict], dict[str, str]]:
+            run_one: Callable[[BenchConfig, str], dict] = launch_locally,
+            records: RunRecords | None = None) -> tuple[list[dict], dict[str, str]]:
     """Every run's record, in run order, and a note per contender that did not run.
-    ``run_one(cfg, name)`` makes one run (behind a link: ``link_runs.LinkRuns``)."""
+    ``run_one(cfg, name)`` makes one run (behind a link: ``link_runs.LinkRuns``);
+    ``records`` gets each record as the run ends (run_records.py)."""
+    records = records if records is not None else RunRecords(None)
     notes = {n: why for n in cfg.contenders if (why := REGISTRY[n].unavailable())}
     active = [n for n in cfg.contenders if n not in notes]
     runs: list[dict] = []
@@ -46,9 +50,13 @@ def run_all(cfg: BenchConfig, verbose: bool = True,
             except RankFailed as exc:
                 notes[name] = f"failed: {_last_line(str(exc))}"
                 _log(f"[bench] {name} failed in round {round_ + 1}:\n{exc}")
+                if is_reporting_rank():
+                    records.failed(name, round_, _last_line(str(exc)))
                 continue
             record["round"] = round_
             runs.append(record)
+            if is_reporting_rank():
+                records.ran(record)
             if verbose and is_reporting_rank():
                 median = sorted(record["step_times"])[len(record["step_times"]) // 2]
                 _log(f"[bench] round {round_ + 1}/{cfg.repeats} {name:9s} median step {median:.3f} s, "

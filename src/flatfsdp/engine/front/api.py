@@ -15,7 +15,7 @@ from flatfsdp.engine.front.keyword_table import FSDP2, MEGATRON, OWN, Door, Give
 from flatfsdp.engine.front.keywords import shard_options, spmd_mesh_of
 from flatfsdp.engine.front.megatron_model import adopt_megatron_members
 from flatfsdp.engine.front.optimizer import fully_shard_optimizer
-from flatfsdp.engine.front.shard_unit import is_expert, shard_unit
+from flatfsdp.engine.front.shard_unit import is_expert, replica_groups, shard_unit
 from flatfsdp.engine.front.spmd_mesh import check_spmd_params
 from flatfsdp.engine.front.unit_classes import resolve_unit_classes
 from flatfsdp.engine.layout.mesh import mesh_device
@@ -133,13 +133,13 @@ def _took_first_replica(model: nn.Module, options: ShardOptions) -> bool:
     model, so the units below need not check values again (True)."""
     if value_check_mode(options.replica_values, options.switches.check_replicas) != "broadcast":
         return False
-    mesh = options.mesh
-    groups = [g.get_group() for g in (mesh.shard, mesh.outer) if g is not None and g.size() > 1]
-    if not groups:
+    dims = replica_groups(options.mesh)
+    if not dims:
         return False
     values = [(name, p) for name, p in model.named_parameters()
               if id(p) not in options.ignored and (options.expert_mesh is None or not is_expert(p))]
-    found = take_first_replica(type(model).__name__, values, groups, mesh_device(mesh.shard))
+    found = take_first_replica(type(model).__name__, values, [dim.get_group() for dim in dims],
+                               mesh_device(options.mesh.shard))
     if found:
         warn_first_replica_taken(found, stacklevel=4)
     return True

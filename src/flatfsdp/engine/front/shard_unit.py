@@ -57,21 +57,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], options: ShardOptions, *, n
     # Local checks of how DTensor parameters are placed come first: a refused
     # placement is named as such, not as replicas that differ.
     slots = [_with_tensor_parallel(s, label, mesh) for s in slots]
-    # Before anything else talks to the other ranks: they must be sharding the same unit.
-    description = describe(label, [(s.fqn, s.param) for s in slots])
-    # Values must agree across data-parallel replicas; expert parameters hold a
-    # different expert on each expert-parallel rank, so they are left out.
-    values = [(s.fqn, s.param) for s in slots if expert_mesh is None or not is_expert(s.param)]
-    values_differ = value_check_mode(options.replica_values, options.switches.check_replicas)
-    if values_differ == "broadcast":
-        groups = [g.get_group() for g in (mesh.shard, mesh.outer) if g is not None and g.size() > 1]
-        found = take_first_replica(label, values, groups, device)
-        if found:
-            warn_first_replica_taken(found, stacklevel=4)
-        values_differ = "skip"
-    for dp_group in (mesh.shard, mesh.outer):
-        if dp_group is not None and dp_group.size() > 1:
-            check_ranks_agree(description, dp_group.get_group(), device, values, values_differ)
+    _check_replicas(label, slots, options, device)
     # By name: meta-device materialisation below replaces the parameter objects.
     experts = {s.fqn for s in slots if expert_mesh is not None and is_expert(s.param)}
     meshes = {False: mesh, True: expert_mesh}
@@ -112,6 +98,30 @@ def shard_unit(modules: nn.Module | list[nn.Module], options: ShardOptions, *, n
     return state
 
 
+def replica_groups(mesh: DataParallelMesh) -> list:
+    """The data-parallel dimensions with more than one rank (whose ranks hold
+    replicas, or chunks, of the same parameters)."""
+    return [dim for dim in (mesh.shard, mesh.outer) if dim is not None and dim.size() > 1]
+
+
+def _check_replicas(label: str, slots: list[ParamSlot], options: ShardOptions, device: torch.device) -> None:
+    """Before anything else talks to the other ranks: they must be sharding
+    the same unit, from the same values (per ``replica_values``; the first
+    rank's taken where it says "broadcast"). Expert parameters hold a
+    different expert on each expert-parallel rank, so their values are left out."""
+    description = describe(label, [(s.fqn, s.param) for s in slots])
+    values = [(s.fqn, s.param) for s in slots if options.expert_mesh is None or not is_expert(s.param)]
+    values_differ = value_check_mode(options.replica_values, options.switches.check_replicas)
+    dims = replica_groups(options.mesh)
+    if values_differ == "broadcast":
+        found = take_first_replica(label, values, [dim.get_group() for dim in dims], device)
+        if found:
+            warn_first_replica_taken(found, stacklevel=5)
+        values_differ = "skip"
+    for dim in dims:
+        check_ranks_agree(description, dim.get_group(), device, values, values_differ)
+
+
 def _agreed_seed(mesh: DataParallelMesh, device: torch.device, pending_init: list) -> int:
     """The seed meta-device initialisation uses when none is given: this
     process's ``torch.initial_seed()``, which torch draws at random per
@@ -121,9 +131,8 @@ def _agreed_seed(mesh: DataParallelMesh, device: torch.device, pending_init: lis
     if not pending_init:
         return seed
     value = torch.tensor([seed], dtype=torch.int64, device=device)
-    for dp_group in (mesh.shard, mesh.outer):
-        if dp_group is not None and dp_group.size() > 1:
-            torch.distributed.broadcast(value, group=dp_group.get_group(), group_src=0)
+    for dim in replica_groups(mesh):
+        torch.distributed.broadcast(value, group=dim.get_group(), group_src=0)
     return int(value.item())
 
 
