@@ -5,7 +5,8 @@ runtime, front); a module imports only its own package or packages below, and
 inside the engine only modules of its own layer or below. The engine imports
 no application; applications reach the engine through ``flatfsdp`` or
 ``flatfsdp.engine`` only. No two files of ``src/flatfsdp`` import each other
-round a circle, and no file grows past 400 lines.
+round a circle, no file grows past 400 lines, and an instance's class is
+swapped in one place (runtime/class_swap).
 
 Every import counts: those inside functions and under ``TYPE_CHECKING`` too.
 Each rule is a function over a source tree, so the tests can also plant a
@@ -282,3 +283,26 @@ def test_a_planted_application_import_in_the_package_init_is_found(tree_copy):
 def test_a_planted_long_file_is_found(tree_copy):
     _plant(tree_copy, "engine/layout/strategy.py", "pass\n" * MAX_LINES)
     assert [entry.split(":")[0] for entry in oversized_files(tree_copy)] == ["engine/layout/strategy.py"]
+
+
+def class_swap_sites(root: Path) -> list[str]:
+    """Files that assign an instance's ``__class__`` (a class swap)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Attribute) and t.attr == "__class__" for t in node.targets):
+                found.append(str(path.relative_to(root)))
+                break
+    return found
+
+
+def test_classes_are_swapped_in_one_place():
+    """A sharded unit, the one-call root and a bound optimizer all get their
+    subclass from runtime/class_swap (one cache of made classes)."""
+    assert class_swap_sites(SRC) == ["engine/runtime/class_swap.py"]
+
+
+def test_a_planted_class_swap_is_found(tree_copy):
+    _plant(tree_copy, "engine/front/megatron_optimizer.py", "object().__class__ = object")
+    assert class_swap_sites(tree_copy) == ["engine/front/megatron_optimizer.py", "engine/runtime/class_swap.py"]
