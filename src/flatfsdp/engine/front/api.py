@@ -23,10 +23,10 @@ from flatfsdp.engine.layout.options import ShardOptions
 from flatfsdp.engine.runtime.tied_params import params_used_outside
 
 _P = inspect.Parameter
-_FULLY_SHARD = Door((_P("module", _P.POSITIONAL_OR_KEYWORD, annotation="nn.Module | list[nn.Module]"),
-                     _P("optimizer", _P.POSITIONAL_OR_KEYWORD, default=None,
-                        annotation="torch.optim.Optimizer | None")), MEGATRON, FSDP2 + OWN)
-_FULLY_SHARD_MODEL = Door((_P("module", _P.POSITIONAL_OR_KEYWORD, annotation="nn.Module"),), MEGATRON, OWN)
+_MODULE = _P("module", _P.POSITIONAL_OR_KEYWORD, annotation="nn.Module | list[nn.Module]")
+_OPTIMIZER = _P("optimizer", _P.POSITIONAL_OR_KEYWORD, default=None, annotation="torch.optim.Optimizer | None")
+_FULLY_SHARD = Door("fully_shard", (_MODULE, _OPTIMIZER), MEGATRON, FSDP2 + OWN)
+_FULLY_SHARD_MODEL = Door("fully_shard_model", (_MODULE.replace(annotation="nn.Module"),), MEGATRON, OWN)
 
 
 class Unit(NamedTuple):
@@ -69,8 +69,11 @@ def fully_shard(module, optimizer=None, *args, **kwargs):
     gathers weights as block-scaled 8-bit codes made once per optimizer step;
     ``grad_reduce_dtype="bf16"`` or ``"int8"`` reduces gradients so;
     at most ``lowbit_block`` elements share one scale.
+
+    Every keyword, its default, and how it is read or why it is a no-op:
+    front/keyword_table.py, from which this signature is made.
     """
-    given = _FULLY_SHARD.read(args, kwargs, "fully_shard")
+    given = _FULLY_SHARD.read(args, kwargs)
     if given.fsdp_unit_modules is None and optimizer is None:
         options = shard_options(given, per_module=True)
         if given.dp_mesh_dims is not None:
@@ -93,7 +96,7 @@ def fully_shard(module, optimizer=None, *args, **kwargs):
 def fully_shard_model(module, *args, **kwargs):
     """Megatron-FSDP's model half: shard units bottom-up, then the root. Bind an
     optimizer afterwards with ``fully_shard_optimizer``."""
-    _shard_model(module, _FULLY_SHARD_MODEL.read(args, kwargs, "fully_shard_model"))
+    _shard_model(module, _FULLY_SHARD_MODEL.read(args, kwargs))
     return module
 
 

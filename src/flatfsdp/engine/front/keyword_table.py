@@ -13,6 +13,7 @@ docs/megatron.md's table are checked against the same tables
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -152,14 +153,16 @@ class Door:
     ``positional`` keywords in order, then ``keyword_only`` ones, then
     ``**kwargs`` for Megatron-LM's aliases."""
 
+    name: str
     leading: tuple[inspect.Parameter, ...]
     positional: tuple[Keyword, ...]
     keyword_only: tuple[Keyword, ...]
 
-    @property
+    @functools.cached_property
     def signature(self) -> inspect.Signature:
-        return inspect.Signature([*self.leading, *self._tail().parameters.values()])
+        return inspect.Signature([*self.leading, *self._tail.parameters.values()])
 
+    @functools.cached_property
     def _tail(self) -> inspect.Signature:
         def param(k: Keyword, kind) -> inspect.Parameter:
             return inspect.Parameter(k.name, kind, default=k.default, annotation=k.annotation)
@@ -170,20 +173,21 @@ class Door:
             + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any")])
 
     def takes(self, fn: Callable) -> Callable:
-        """Decorate a door ``def door(<leading>, *args, **kwargs)``: it shows this signature."""
+        """Decorate the door ``def door(<leading>, *args, **kwargs)``: it shows this signature."""
         fn.__signature__ = self.signature
         return fn
 
-    def read(self, args: tuple, kwargs: dict[str, Any], door: str) -> GivenKeywords:
+    def read(self, args: tuple, kwargs: dict[str, Any]) -> GivenKeywords:
         """The call's keywords after ``leading``, bound as the signature binds
-        them (too many positional arguments or one given twice: TypeError)."""
+        them (too many positional arguments, one given twice, or a name that
+        is no keyword of this door: TypeError)."""
         try:
-            bound = self._tail().bind(*args, **kwargs)
+            bound = self._tail.bind(*args, **kwargs)
         except TypeError as err:
-            raise TypeError(f"{door}(): {err}") from None
+            raise TypeError(f"{self.name}(): {err}") from None
         values = dict(bound.arguments)
         extra = values.pop("kwargs", {})
         unknown = sorted(set(extra) - {k.name for k in MEGATRON_LM_ALIASES})
         if unknown:
-            raise TypeError(f"{door}() got unexpected keyword argument(s) {unknown}")
+            raise TypeError(f"{self.name}() got unexpected keyword argument(s) {unknown}")
         return GivenKeywords(**values, **extra)
