@@ -58,16 +58,8 @@ def shard_unit(modules: nn.Module | list[nn.Module], options: ShardOptions, *, n
     # placement is named as such, not as replicas that differ.
     slots = [_with_tensor_parallel(s, label, mesh) for s in slots]
     _check_replicas(label, slots, options, device)
-    # By name: meta-device materialisation below replaces the parameter objects.
-    experts = {s.fqn for s in slots if expert_mesh is not None and is_expert(s.param)}
+    slots, experts = _placed(slots, options, label)
     meshes = {False: mesh, True: expert_mesh}
-    slots = [chosen for expert in (False, True)
-             for chosen in _choose_placements([s for s in slots if (s.fqn in experts) == expert],
-                                              meshes[expert], strategy, options.shard_block,
-                                              options.shard_placement_fn, label)]
-    for expert in (False, True):
-        check_subclass_params([s for s in slots if (s.fqn in experts) == expert], unit=label,
-                              world=(meshes[expert] or mesh).shard.size(), offload=options.offload is not None)
     protocol = protocol_slots(slots)
     meta_originals: dict = {}
     pending_init = materialize_meta(units, slots, device, meta_originals)
@@ -120,6 +112,23 @@ def _check_replicas(label: str, slots: list[ParamSlot], options: ShardOptions, d
         values_differ = "skip"
     for dim in dims:
         check_ranks_agree(description, dim.get_group(), device, values, values_differ)
+
+
+def _placed(slots: list[ParamSlot], options: ShardOptions, label: str) -> tuple[list[ParamSlot], set[str]]:
+    """Each parameter with the dimension it is chunked on, over its mesh
+    (expert parameters over ``expert_mesh``), subclass parameters checked
+    against it; and the expert parameters' names (by name: meta-device
+    materialisation replaces the parameter objects)."""
+    mesh, expert_mesh = options.mesh, options.expert_mesh
+    experts = {s.fqn for s in slots if expert_mesh is not None and is_expert(s.param)}
+    placed = []
+    for expert, dp_mesh in ((False, mesh), (True, expert_mesh)):
+        mine = _choose_placements([s for s in slots if (s.fqn in experts) == expert], dp_mesh, options.strategy,
+                                  options.shard_block, options.shard_placement_fn, label)
+        check_subclass_params(mine, unit=label, world=(dp_mesh or mesh).shard.size(),
+                              offload=options.offload is not None)
+        placed += mine
+    return placed, experts
 
 
 def _agreed_seed(mesh: DataParallelMesh, device: torch.device, pending_init: list) -> int:
@@ -232,7 +241,7 @@ def _choose_placements(slots: list[ParamSlot], mesh: DataParallelMesh, strategy:
     if kept_whole:
         warnings.warn(f"unit '{unit}': no dimension of {', '.join(kept_whole)} splits over {world} ranks in whole "
                       f"shard_block={shard_block} blocks; these stay replicated (gradients all-reduced)",
-                      stacklevel=5)
+                      stacklevel=6)
     return out
 
 
