@@ -20,7 +20,7 @@ from flatfsdp.engine.front.fsdp2_args import check_fsdp2_mesh, check_offload_pol
 from flatfsdp.engine.front.spmd_mesh import check_spmd_params, spmd_dp_dims
 from flatfsdp.engine.layout.arithmetic import check_block
 from flatfsdp.engine.layout.mesh import check_device, check_hybrid_group, expert_dp_mesh, resolve_dp_mesh
-from flatfsdp.engine.layout.offload import HostOffload
+from flatfsdp.engine.layout.main_home import HostHome
 from flatfsdp.engine.layout.options import DEFAULT_BUCKET_BYTES, ShardOptions
 from flatfsdp.engine.layout.precision import resolve_policy
 from flatfsdp.engine.layout.strategy import ShardingStrategy
@@ -112,7 +112,7 @@ def shard_options(module: Any, given: dict[str, Any], extra: dict[str, Any], *, 
     strategy = ShardingStrategy.parse(g.get("zero_dp_strategy", 3))
     dp_mesh = resolve_dp_mesh(given_mesh, g.get("dp_shard_dim"), g.get("dp_outer_dim"))
     if _shards_across_outer(g.get("outer_dp_sharding_strategy", 0), dp_mesh, strategy):
-        dp_mesh = dp_mesh.with_outer_sharding()
+        dp_mesh = dp_mesh.with_split_replicas()
     check_hybrid_group(g.get("hybrid_fsdp_group"), dp_mesh)
     _check_tp_dim(g.get("tp_dim"), given_mesh)
     check_device(g.get("device"), dp_mesh.shard)
@@ -131,7 +131,7 @@ def shard_options(module: Any, given: dict[str, Any], extra: dict[str, Any], *, 
         reshard = fsdp2_reshard_after_forward(reshard, dp_mesh.shard)
     return ShardOptions(
         mesh=dp_mesh, strategy=strategy, policy=policy, expert_mesh=expert_mesh,
-        offload=HostOffload.for_mesh(g.get("offload_policy"), dp_mesh.shard.device_type),
+        main_home=HostHome.for_policy(g.get("offload_policy"), dp_mesh.shard.device_type),
         reshard_after_forward=reshard,
         average_grads=not g.get("calculate_per_token_loss", False),
         sync_each_microbatch=g.get("sync_model_each_microbatch", True),
