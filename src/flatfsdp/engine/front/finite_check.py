@@ -77,7 +77,7 @@ def local_nonfinite(model: nn.Module, loss: torch.Tensor | None = None) -> torch
         values.append(loss.detach().sum().float().to(values[0].device if values else loss.device))
     if not values:
         return torch.zeros((), dtype=torch.float32)
-    # Sums of groups whose main grads live in host memory are on the host, others' on the device: one device for the stack.
+    # Sums of main grads in host memory are on the host, others' on the device: one device for the stack.
     total = torch.stack([v.to(values[0].device) for v in values]).sum()
     return (~torch.isfinite(total)).float()
 

@@ -81,7 +81,7 @@ MEGATRON_READ = {
     "use_decoupled_grad": "False; True is refused (only TransformerEngine's FusedAdam reads decoupled_grad)",
 }
 """The Megatron keywords the engine reads, and how (the rest are ACCEPTED_NO_OPS)."""
-_MAPPED = {"mesh", "strategy", "policy", "expert_mesh", "offload", "reshard_after_forward", "average_grads",
+_MAPPED = {"mesh", "strategy", "policy", "expert_mesh", "main_home", "reshard_after_forward", "average_grads",
            "sync_each_microbatch", "bucket_bytes", "shard_block", "ignored", "require_shardable", "replica_values",
            "switches", "on_nonfinite"}
 """Options fields built from other keywords below; every other field is a

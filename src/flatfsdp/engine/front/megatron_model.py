@@ -18,7 +18,6 @@ import warnings
 import weakref
 from typing import Any, Iterator
 
-import torch
 from torch import nn
 
 from flatfsdp.engine.front.megatron_buffers import DDPConfig, DistributedIndex, ParamAndGradBufferView

@@ -29,6 +29,7 @@ from flatfsdp.engine.comm.user_comms import UserAllGather, UserReduceScatter
 from flatfsdp.engine.groups.group_tensors import GroupTensors
 from flatfsdp.engine.groups.slots import ParamSlot, contiguous_strides
 from flatfsdp.engine.layout.arithmetic import GroupLayout
+from flatfsdp.engine.layout.main_home import MainHome
 from flatfsdp.engine.layout.placement import GroupPlacement
 
 
@@ -60,6 +61,8 @@ class ParamGroupFace(Protocol):
     compute_device: torch.device
     compute_dtype: torch.dtype
     main_dtype: torch.dtype
+    home: MainHome
+    """Where the main weights and grads live (layout/main_home.py)."""
     bound_optimizers: weakref.WeakSet
 
     # ---- its tensors ----
