@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flatfsdp
+from flatfsdp.engine.groups.group_core import ParamGroupFace
 from device_world import Block, regression_data
 from harness import run_ranks
 from test_subclass_params import D, QBlock, _float8_net, _qlora_net
@@ -42,7 +43,9 @@ def _plain_local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _engine_groups(model):
-    return [g for s in model._flatfsdp_state.context.states for g in s.groups]
+    """The engine's groups in param_and_grad_buffer's order (its units' states, in module order)."""
+    from flatfsdp.engine.runtime.unit_state import unit_states
+    return [g for s in unit_states(model) for g in s.groups]
 
 
 def _probe_buffers(model, names: dict, full: dict, rank: int, world: int) -> dict:
@@ -93,9 +96,9 @@ def members_worker(rank, world, kind: str, call_members: bool):
     model, optimizer = flatfsdp.fully_shard(net, optimizer, fsdp_unit_modules=[unit],
                                             mixed_precision_policy=policy)
     names = {id(p): n for n, p in model.named_parameters()}  # the sharded parameters, by name
+    out = {"face": sorted({type(g).__name__ for g in _engine_groups(model) if isinstance(g, ParamGroupFace)})}
     data = regression_data(width, ROWS, STEPS + 1)
     per = ROWS // world
-    out = {}
     if call_members:
         x, y = data[-1]
         F.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
@@ -147,5 +150,7 @@ def test_every_megatron_member_works_on_subclass_weights(kind):
         else:  # frozen NF4 bases: no main weights or grads; the adapters' groups have them
             assert probe["main_checked"] == probe["grad_checked"] == 0, probe
         assert with_calls["trained_main"] == []
+        # Both kinds of group show the one declared face (flat: the NF4 model's adapters).
+        assert with_calls["face"] == (["SubclassGroup"] if kind == "float8" else ["ParamGroup", "SubclassGroup"])
         assert with_calls["losses"] == without["losses"]
     assert called[0]["losses"] == called[1]["losses"]

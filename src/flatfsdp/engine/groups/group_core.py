@@ -18,7 +18,7 @@ buffers or gradients objects.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ class GroupMemory(Protocol):
     def held_tensors(self) -> list[torch.Tensor]: ...
 
 
+@runtime_checkable
 class ParamGroupFace(Protocol):
     """A param group as the runtime and the front doors use it."""
 
