@@ -174,3 +174,16 @@ def test_cpu_mesh_gets_no_offload():
     assert HostHome.for_policy(CPUOffloadPolicy(), "cpu") is DEVICE
     assert HostHome.for_policy(OffloadPolicy(), "cuda") is DEVICE
     assert HostHome.for_policy(CPUOffloadPolicy(pin_memory=False), "cuda") == HostHome(pin_memory=False)
+
+
+def test_host_main_weights_refuse_block_scaled_gathers_by_name():
+    """Block-scaled gathers encode the main weights on the device: with them in
+    host memory the group is refused, naming the keyword and the parameter."""
+    from flatfsdp.engine.layout.block_formats import block_format
+    from flatfsdp.engine.layout.main_home import DEVICE, HostHome
+
+    DEVICE.check_weight_codes(block_format("int8"), "blocks.0.fc.weight")  # on the device: fine
+    HostHome().check_weight_codes(None, "blocks.0.fc.weight")  # no codes: fine
+    with pytest.raises(NotImplementedError, match=r"param_gather_dtype='int8' with offload_policy=CPUOffloadPolicy "
+                                                  r"\(parameter 'blocks.0.fc.weight'\)"):
+        HostHome().check_weight_codes(block_format("int8"), "blocks.0.fc.weight")
