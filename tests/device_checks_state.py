@@ -60,7 +60,7 @@ def check_cpu_offload(device: torch.device, workdir: Path) -> dict:
     """Parity with the unsharded model; sharded parameters, their grads and
     Adam's state in pinned host memory; the module computing on the device;
     less device memory than without offload."""
-    require_cuda(device, "a CPU mesh gets no offload (HostOffload.for_mesh); tests/test_offload.py builds the "
+    require_cuda(device, "a CPU mesh gets no offload (HostHome.for_policy); tests/test_offload.py builds the "
                          "offloaded layout on gloo and checks it there")
     with world_of_one(device, workdir) as mesh:
         # The unsharded reference's share of device memory is the same in both runs.

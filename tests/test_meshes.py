@@ -100,7 +100,8 @@ def _group_bytes(model, kind: str) -> list[tuple]:
     for state in unit_states(model):
         for group in state.groups:
             if group.trainable:
-                pieces = group.buffers.outer_shard.numel if group.buffers.outer_shard is not None else None
+                replicas = group.buffers.replicas
+                pieces = replicas.main_numel if replicas.splits_main else None
                 out.append((group.layout.shard_numel, group.buffers.grads.data.element_size(), group.placement.sharded,
                             group.layout.unsharded_numel, pieces))
     return out

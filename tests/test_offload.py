@@ -1,7 +1,7 @@
-"""CPU offload (FSDP2's ``CPUOffloadPolicy``, engine/layout/offload.py).
+"""CPU offload (FSDP2's ``CPUOffloadPolicy``, engine/layout/main_home.py).
 
 No accelerator here, so the offloaded layout is built on CPU (the engine is
-handed a ``HostOffload`` where a CPU mesh would get none): main weights and
+handed a ``HostHome`` where a CPU mesh would get the device home): main weights and
 main grads in their own host buffers, the compute-dtype chunk copied in
 before each gather, each reduced chunk copied out, host tensors staged
 through the device for collectives -- every copy made, CPU to CPU. Checked:
@@ -81,15 +81,15 @@ def _worker(rank, world):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     import flatfsdp
-    from flatfsdp.engine.layout.offload import HostOffload
+    from flatfsdp.engine.layout.main_home import DEVICE, HostHome
 
     # Collectives as on an accelerator (one native collective per bucket, its
     # output handed to c10d), not gloo's pairwise exchanges: what the watch
     # below sees is then what NCCL would be given.
     os.environ["FLATFSDP_GLOO_ALGORITHM"] = "native"
     # Build the offloaded layout on this CPU-only machine (see the module docstring).
-    HostOffload.for_mesh = staticmethod(lambda policy, device_type: HostOffload(pin_memory=False)
-                                        if isinstance(policy, CPUOffloadPolicy) else None)
+    HostHome.for_policy = staticmethod(lambda policy, device_type: HostHome(pin_memory=False)
+                                       if isinstance(policy, CPUOffloadPolicy) else DEVICE)
     out = {}
     for strategy, dtype, hybrid in CASES:
         torch.manual_seed(0)
@@ -145,7 +145,7 @@ def _layout_is_separate(model) -> bool:
             host = _storages([buffers.main, buffers.main_grad] + [p.to_local() for p in group.sharded_params])
             device = _storages([buffers.unsharded.data, buffers.model_local,
                                 buffers.grads.data if buffers.grads else None])
-            if host & device or group.offload is None:
+            if host & device or group.home.shares_device_memory:
                 return False
             if any(_storages([p.to_local()]) - _storages([buffers.main]) for p in group.sharded_params):
                 return False
@@ -169,8 +169,21 @@ def test_offloaded_training_equals_the_unsharded_reference(results, strategy, dt
 def test_cpu_mesh_gets_no_offload():
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    from flatfsdp.engine.layout.offload import HostOffload
+    from flatfsdp.engine.layout.main_home import DEVICE, HostHome
 
-    assert HostOffload.for_mesh(CPUOffloadPolicy(), "cpu") is None
-    assert HostOffload.for_mesh(OffloadPolicy(), "cuda") is None
-    assert HostOffload.for_mesh(CPUOffloadPolicy(pin_memory=False), "cuda") == HostOffload(pin_memory=False)
+    assert HostHome.for_policy(CPUOffloadPolicy(), "cpu") is DEVICE
+    assert HostHome.for_policy(OffloadPolicy(), "cuda") is DEVICE
+    assert HostHome.for_policy(CPUOffloadPolicy(pin_memory=False), "cuda") == HostHome(pin_memory=False)
+
+
+def test_host_main_weights_refuse_block_scaled_gathers_by_name():
+    """Block-scaled gathers encode the main weights on the device: with them in
+    host memory the group is refused, naming the keyword and the parameter."""
+    from flatfsdp.engine.layout.block_formats import block_format
+    from flatfsdp.engine.layout.main_home import DEVICE, HostHome
+
+    DEVICE.check_weight_codes(block_format("int8"), "blocks.0.fc.weight")  # on the device: fine
+    HostHome().check_weight_codes(None, "blocks.0.fc.weight")  # no codes: fine
+    with pytest.raises(NotImplementedError, match=r"param_gather_dtype='int8' with offload_policy=CPUOffloadPolicy "
+                                                  r"\(parameter 'blocks.0.fc.weight'\)"):
+        HostHome().check_weight_codes(block_format("int8"), "blocks.0.fc.weight")

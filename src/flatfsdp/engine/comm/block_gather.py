@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from flatfsdp.engine.comm.collectives import Pending
-from flatfsdp.engine.comm.outer_shard import OuterShard
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import GroupLayout, ParamLayout, build_group_layout
 from flatfsdp.engine.layout.block_formats import BlockFormat, dequantize, quantize
@@ -114,14 +113,16 @@ class BlockScaledGather:
 
     def __init__(self, layout: GroupLayout, rank: int, unsharded: torch.Tensor, fmt: BlockFormat, *,
                  transport: Transport, main_chunk: Callable[[int], torch.Tensor],
-                 outer: tuple[OuterShard, torch.Tensor] | None = None, keep_codes: bool = False):
+                 replica_gather: Callable[["BlockRow", torch.Tensor], Pending] | None = None,
+                 keep_codes: bool = False):
         """``main_chunk(i)``: parameter i's chunk of the main weights, which
-        ``refresh`` encodes; ``outer`` (HFSDP): the outer split and the main
-        weights (this rank's piece), encoded and gathered across replicas instead."""
+        ``refresh`` encodes; ``replica_gather(row, own)`` (HFSDP, from the
+        group's replica plan): encode this rank's piece of the main weights and
+        gather every replica's into ``own`` instead."""
         self.layout, self.rank, self.unsharded = layout, rank, unsharded
         self.transport = transport
-        self._main_chunk, self._outer = main_chunk, outer
-        self._outer_gather: Pending | None = None
+        self._main_chunk, self._replica_gather = main_chunk, replica_gather
+        self._early: Pending | None = None
         self.keep_codes = keep_codes
         """Hold every rank's landed row after unpacking (ZeRO-3 groups), so the
         backward gather decodes them again without communicating."""
@@ -149,18 +150,17 @@ class BlockScaledGather:
     def refresh_early(self) -> None:
         """HFSDP: encode this rank's piece and start gathering every replica's
         across the outer dimension now; ``refresh`` waits for it."""
-        if self._outer is not None and self._outer_gather is None:
-            outer_shard, main = self._outer
+        if self._replica_gather is not None and self._early is None:
             with torch.no_grad():
-                self._outer_gather = outer_shard.all_gather_codes(main, self.row, self.own)
+                self._early = self._replica_gather(self.row, self.own)
 
     def refresh(self) -> None:
         """This rank's row from its main weights (HFSDP: from every replica's
         piece, gathered across the outer dimension as codes)."""
         with torch.no_grad():
-            if self._outer is not None:
+            if self._replica_gather is not None:
                 self.refresh_early()
-                self._outer_gather, pending = None, self._outer_gather
+                self._early, pending = None, self._early
                 pending.wait()
             else:
                 self.row.encode_rows(self.own, self._main_chunk, self.rank)

@@ -23,8 +23,9 @@ reduce                      what travels
 ``user_comms.UserReduceScatter``  a user's FSDP2 ``ReduceScatter``
 ==========================  ====================================================
 
-HFSDP's outer split (outer_shard) is not a codec: it decides where the main
-weights live, and each codec reads them through it.
+How replicas split the main weights (HFSDP, groups/replicas.py) is not a
+codec: it decides what the main weights hold, and each codec reads them
+through it.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def _local_grads(model: nn.Module) -> list[torch.Tensor]:
         for group in state.groups:
             managed.update(id(p) for p in group.sharded_params)
             if group.trainable and any(p.grad is not None for p in group.sharded_params):
-                tensors.append(group.buffers.main_grad)
+                tensors.append(group.main_grads())
     for p in model.parameters():
         if id(p) not in managed and p.grad is not None:
             tensors.append(_local(p.grad))
@@ -71,13 +71,13 @@ def local_nonfinite(model: nn.Module, loss: torch.Tensor | None = None) -> torch
     its share of the gradients holds NaN/inf, else 0.0. No communication."""
     for state in unit_states(model):  # reductions left in flight (sync_model_each_microbatch=False) land first
         for group in state.groups:
-            group.gradients.complete()
+            group.complete_reduction()
     values = [t.sum().float() for t in _local_grads(model)]
     if loss is not None:
         values.append(loss.detach().sum().float().to(values[0].device if values else loss.device))
     if not values:
         return torch.zeros((), dtype=torch.float32)
-    # Offloaded groups' sums are on the host, others' on the device: one device for the stack.
+    # Sums of main grads in host memory are on the host, others' on the device: one device for the stack.
     total = torch.stack([v.to(values[0].device) for v in values]).sum()
     return (~torch.isfinite(total)).float()
 

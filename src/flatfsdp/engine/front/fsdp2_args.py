@@ -44,7 +44,7 @@ def fsdp2_reshard_after_forward(value: bool | int | None, mesh: DeviceMesh) -> b
 
 def check_offload_policy(policy: Any) -> None:
     """``OffloadPolicy()`` (no offload) and ``CPUOffloadPolicy`` are accepted
-    (see offload.py for what offloading does, and why a CPU mesh needs none)."""
+    (see layout/main_home.py for what host memory changes, and why a CPU mesh needs none)."""
     if policy is None:
         return
     from torch.distributed.fsdp import OffloadPolicy

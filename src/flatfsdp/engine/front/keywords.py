@@ -22,13 +22,13 @@ from flatfsdp.engine.front.keyword_table import GivenKeywords
 from flatfsdp.engine.front.spmd_mesh import spmd_dp_dims
 from flatfsdp.engine.layout.arithmetic import check_block
 from flatfsdp.engine.layout.mesh import check_device, check_hybrid_group, expert_dp_mesh, resolve_dp_mesh
-from flatfsdp.engine.layout.offload import HostOffload
+from flatfsdp.engine.layout.main_home import HostHome
 from flatfsdp.engine.layout.options import DEFAULT_BUCKET_BYTES, ShardOptions
 from flatfsdp.engine.layout.precision import resolve_policy
 from flatfsdp.engine.layout.strategy import ShardingStrategy
 from flatfsdp.engine.layout.switches import EngineSwitches
 
-_MAPPED = {"mesh", "strategy", "policy", "expert_mesh", "offload", "reshard_after_forward", "average_grads",
+_MAPPED = {"mesh", "strategy", "policy", "expert_mesh", "main_home", "reshard_after_forward", "average_grads",
            "sync_each_microbatch", "bucket_bytes", "shard_block", "ignored", "require_shardable", "replica_values",
            "switches", "on_nonfinite"}
 """Options fields built from other keywords below; every other field is a
@@ -55,7 +55,7 @@ def shard_options(given: GivenKeywords, *, per_module: bool) -> ShardOptions:
     strategy = ShardingStrategy.parse(given.zero_dp_strategy)
     dp_mesh = resolve_dp_mesh(given_mesh, given.dp_shard_dim, given.dp_outer_dim)
     if _shards_across_outer(given.outer_dp_sharding_strategy, dp_mesh, strategy):
-        dp_mesh = dp_mesh.with_outer_sharding()
+        dp_mesh = dp_mesh.with_split_replicas()
     check_hybrid_group(given.hybrid_fsdp_group, dp_mesh)
     _check_tp_dim(given.tp_dim, given_mesh)
     check_device(given.device, dp_mesh.shard)
@@ -74,7 +74,7 @@ def shard_options(given: GivenKeywords, *, per_module: bool) -> ShardOptions:
         reshard = fsdp2_reshard_after_forward(reshard, dp_mesh.shard)
     return ShardOptions(
         mesh=dp_mesh, strategy=strategy, policy=policy, expert_mesh=expert_mesh,
-        offload=HostOffload.for_mesh(given.offload_policy, dp_mesh.shard.device_type),
+        main_home=HostHome.for_policy(given.offload_policy, dp_mesh.shard.device_type),
         reshard_after_forward=reshard,
         average_grads=not given.calculate_per_token_loss,
         sync_each_microbatch=given.sync_model_each_microbatch,

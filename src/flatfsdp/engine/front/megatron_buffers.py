@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from flatfsdp.engine.front.keyword_table import MEGATRON, GivenKeywords
-from flatfsdp.engine.layout import views
+from flatfsdp.engine.groups.group_core import ParamGroupFace
+from flatfsdp.engine.groups.group_tensors import GroupTensors
 from flatfsdp.engine.layout.options import ShardOptions
 from flatfsdp.engine.layout.strategy import ShardingStrategy
 
@@ -65,7 +66,7 @@ class DDPConfig:
         """The fields the engine's reading decides, then those each keyword
         sets as given (keyword_table's ``ddp_field``)."""
         policy = options.policy
-        outer = "optim" if options.mesh.outer_shards_optimizer else "no_shard"
+        outer = "optim" if options.mesh.replicas_split_optimizer else "no_shard"
         as_given = {k.ddp_field: bool(getattr(given, k.name)) for k in MEGATRON if k.ddp_field is not None}
         return cls(
             data_parallel_sharding_strategy=_STRATEGY_NAMES[options.strategy], outer_dp_sharding_strategy=outer,
@@ -86,7 +87,7 @@ class DistributedIndex:
         self.dp_outer_dim = given.dp_outer_dim
         self.tp_dim = given.tp_dim
         self.use_hybrid_fsdp = mesh.outer is not None
-        self.hsdp_outer_dp_shard = mesh.outer_shards_optimizer
+        self.hsdp_outer_dp_shard = mesh.replicas_split_optimizer
         self.expt_device_mesh = given.expt_device_mesh
         self.fsdp_group = mesh.shard.get_group()
         self.outer_fsdp_group = mesh.outer.get_group() if mesh.outer is not None else None
@@ -140,58 +141,55 @@ def _flat_group(mesh):
 
 class BufferView:
     """One of a parameter group's buffers (Megatron-FSDP's ``DataParallelBuffer``):
-    ``data`` is flatfsdp's tensor itself. ``is_data_distributed``: it holds this
-    rank's chunks only (else every parameter whole)."""
+    ``data`` is flatfsdp's tensor itself (for a group of tensor-subclass
+    weights, a flat copy of their plain values: groups/group_tensors.py).
+    ``is_data_distributed``: it holds this rank's chunks only (else every
+    parameter whole)."""
 
-    def __init__(self, data: torch.Tensor, group, is_data_distributed: bool, kind: str):
+    def __init__(self, data: torch.Tensor, group: ParamGroupFace, tensors: GroupTensors,
+                 is_data_distributed: bool, kind: str):
         self.data = data
         self.dtype = data.dtype
         self.device = data.device
         self.is_data_distributed = is_data_distributed
         self.params = list(group.params)
         self.param_idx = {p: i for i, p in enumerate(self.params)}
-        self.data_parallel_group = group.buffers.pg
-        self.dp_rank = group.index
-        self.dp_world_size = group.placement.world
-        self._group, self._kind = group, kind
+        self.data_parallel_group = tensors.process_group
+        self.dp_rank = tensors.rank_index
+        self.dp_world_size = tensors.world
+        self._tensors, self._kind = tensors, kind
 
     def get_item(self, item_id: int, only_shard: bool = False) -> torch.Tensor:
         """Parameter ``item_id``'s values in this buffer: this rank's chunk
         (flat) where the buffer is sharded or ``only_shard``, else the whole
         parameter (flat)."""
-        group, b = self._group, self._group.buffers
-        p = group.layout.params[item_id]
-        if self._kind == "model" and not self.is_data_distributed:
-            whole = views.unsharded_param(self.data, p).reshape(-1)
-            return views.unsharded_chunk(self.data, p, group.index).reshape(-1) if only_shard else whole
+        t = self._tensors
         if self._kind == "main":
-            return b.main_chunk(item_id).reshape(-1)
+            return t.main_item(item_id)
         if self._kind == "grad":
-            return b.main_view(b.main_grad, item_id).reshape(-1)
-        return views.local_chunk(self.data, p, group.index).reshape(-1)
+            return t.grad_item(item_id)
+        return t.model_item(item_id, only_shard)
 
 
 class ParameterGroupView:
     """One flatfsdp param group as Megatron-FSDP's ``ParameterGroup``."""
 
-    def __init__(self, group, unit_id: int, expert: bool, main_params_dtype: torch.dtype | None):
-        b, place = group.buffers, group.placement
+    def __init__(self, group: ParamGroupFace, unit_id: int, expert: bool, main_params_dtype: torch.dtype | None):
+        t = group.tensors()
         self.params = list(group.params)
-        self.dtype = group.compute_dtype
+        self.dtype = t.compute_dtype
         self.requires_grad = group.trainable
-        self.grad_dtype = b.main_grad.dtype if group.trainable else None
+        self.grad_dtype = t.main_grads.dtype if group.trainable else None
         self.is_expert_param = expert
         self.fsdp_unit_id = unit_id
         self.chunk_size_factor = 1
         self.transpose_weight_buffer = None
         self.hfsdp_helper_wbuf = self.hfsdp_helper_wtbuf = self.hfsdp_helper_gbuf = self.hsdp_comm_gbuf = None
-        kept = place.keep_model_weights or b.model_local is None
-        model = b.unsharded.data if kept else b.model_local
-        self.model_weight_buffer = BufferView(model, group, not kept, "model")
+        self.model_weight_buffer = BufferView(t.model_weights, group, t, t.model_weights_sharded, "model")
         # Megatron-FSDP keeps main weights apart only when main_params_dtype asks for them.
         separate_main = group.trainable and main_params_dtype is not None
-        self.main_weight_buffer = BufferView(b.main, group, place.sharded, "main") if separate_main else None
-        self.main_grad_buffer = BufferView(b.main_grad, group, place.sharded, "grad") if group.trainable else None
+        self.main_weight_buffer = BufferView(t.main_weights, group, t, t.sharded, "main") if separate_main else None
+        self.main_grad_buffer = BufferView(t.main_grads, group, t, t.sharded, "grad") if group.trainable else None
 
 
 class ParamAndGradBufferView:

@@ -18,8 +18,6 @@ import warnings
 import weakref
 from typing import Any, Iterator
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from flatfsdp.engine.front.keyword_table import GivenKeywords
@@ -225,7 +223,7 @@ class MegatronView:
             context.wait_reductions()
         for state in self.states():
             for group in state.groups:
-                group.gradients.complete()
+                group.complete_reduction()
 
     attach_grad_to_optimizer_state = synchronize_gradient_reduce
 
@@ -248,13 +246,13 @@ class MegatronView:
         for state in self.states():
             for group in state.groups:
                 if ids is None or all(id(p) in ids for p in group.sharded_params):
-                    group.gradients.discard(keep_grads)
+                    group.discard_grads(keep_grads)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every gradient held (reduced or still accumulating) by ``scaling_factor``."""
         for state in self.states():
             for group in state.groups:
-                group.gradients.scale(scaling_factor)
+                group.scale_grads(scaling_factor)
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -297,15 +295,10 @@ class MegatronView:
         """Every replica takes the first rank's main weights (NO_SHARD groups
         and scalars within the shard group, HSDP across the outer one); chunks
         of sharded groups have no replica to agree with."""
-        with torch.no_grad():
-            for state in self.states():
-                for group in state.groups:
-                    b = group.buffers
-                    if not group.placement.sharded and b.pg.size() > 1:
-                        b.in_place_collective(b.main, lambda t: dist.broadcast(t, group=b.pg, group_src=0))
-                    if b.outer_pg is not None and b.outer_shard is None:
-                        b.in_place_collective(b.main, lambda t: dist.broadcast(t, group=b.outer_pg, group_src=0))
-                    group.note_weights_written()
+        for state in self.states():
+            for group in state.groups:
+                group.broadcast_from_first_replica()
+                group.note_weights_written()
 
     # ---- mixed precision -------------------------------------------------------------------
 

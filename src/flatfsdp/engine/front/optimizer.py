@@ -119,7 +119,7 @@ def _install_hooks(optimizer: torch.optim.Optimizer, groups: list, megatron: boo
     def before_step(opt, args, kwargs):
         rewritten = (args, before_megatron_step(opt, kwargs)) if megatron else None
         for group in groups:
-            group.gradients.complete()
+            group.complete_reduction()
         return rewritten
 
     def after_step(*_):

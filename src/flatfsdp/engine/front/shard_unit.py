@@ -41,8 +41,8 @@ def shard_unit(modules: nn.Module | list[nn.Module], options: ShardOptions, *, n
     dimension (FSDP2's argument); ``require_shardable`` refuses scalar and
     non-contiguous parameters as FSDP2 does instead of replicating them.
     Expert parameters (Megatron-Core marks them ``allreduce=False``) are
-    sharded over ``expert_mesh`` when one is given. ``offload``: main weights
-    and gradients in host memory (offload.py). ``replica_values``: "error" or
+    sharded over ``expert_mesh`` when one is given. ``main_home``: where main
+    weights and gradients live (layout/main_home.py). ``replica_values``: "error" or
     "warn" when data-parallel replicas start from different weights
     (comm/fingerprint.py; FLATFSDP_CHECK_REPLICAS overrides)."""
     mesh, expert_mesh, strategy, policy = options.mesh, options.expert_mesh, options.strategy, options.policy
@@ -75,7 +75,7 @@ def shard_unit(modules: nn.Module | list[nn.Module], options: ShardOptions, *, n
                                         transport=options.switches.transport))
         else:
             groups.append(ParamGroup(members, placement=placement, policy=group_policy, device=device,
-                                     transport=options.switches.transport, offload=options.offload))
+                                     transport=options.switches.transport, home=options.main_home))
     for group in groups:
         group.use_sharded_params()
     seed = options.meta_init_seed if options.meta_init_seed is not None else _agreed_seed(mesh, device, pending_init)
@@ -126,7 +126,7 @@ def _placed(slots: list[ParamSlot], options: ShardOptions, label: str) -> tuple[
         mine = _choose_placements([s for s in slots if (s.fqn in experts) == expert], dp_mesh, options.strategy,
                                   options.shard_block, options.shard_placement_fn, label)
         check_subclass_params(mine, unit=label, world=(dp_mesh or mesh).shard.size(),
-                              offload=options.offload is not None)
+                              home=options.main_home)
         placed += mine
     return placed, experts
 
@@ -317,9 +317,9 @@ def _group(slots: list[ParamSlot], experts: set[str], mesh: DataParallelMesh,
     for slot in slots:
         tp_mesh = id(slot.tp.mesh) if slot.tp is not None else None
         expert, own = slot.fqn in experts, slot.fqn in protocol
-        # HFSDP for what is chunked on dim 0 (see outer_shard); the rest --
+        # HFSDP for what is chunked on dim 0 (see groups/replicas.py); the rest --
         # replicated, column-chunked, tensor-parallel or a subclass -- stays HSDP.
-        hybrid = (mesh.outer_shards_optimizer and not expert and slot.tp is None and slot.shard_dim == 0
+        hybrid = (mesh.replicas_split_optimizer and not expert and slot.tp is None and slot.shard_dim == 0
                   and not own)
         key = GroupKey(slot.param.dtype, slot.param.requires_grad, slot.shard_dim is None, tp_mesh, expert, hybrid,
                        slot.fqn in own_dtype, own)

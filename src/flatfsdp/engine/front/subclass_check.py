@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from flatfsdp.engine.groups.slots import ParamSlot
 from flatfsdp.engine.groups.subclass_gather import has_gather_protocol
+from flatfsdp.engine.layout.main_home import MainHome
 
 
 class UnsupportedParameterSubclass(TypeError):
@@ -41,7 +42,7 @@ def protocol_slots(slots: list[ParamSlot]) -> set[str]:
     return {s.fqn for s in slots if not is_plain(local_of(s.param))}
 
 
-def check_subclass_params(slots: list[ParamSlot], *, world: int, unit: str, offload: bool) -> None:
+def check_subclass_params(slots: list[ParamSlot], *, world: int, unit: str, home: MainHome) -> None:
     """Refuse, naming parameter and class, every subclass parameter that
     would not be sharded faithfully. ``slots`` carry their chosen shard dim."""
     for slot in slots:
@@ -65,8 +66,9 @@ def check_subclass_params(slots: list[ParamSlot], *, world: int, unit: str, offl
             raise UnsupportedParameterSubclass(
                 f"{where} on the meta device: build it on a real device (torchao converts meta weights "
                 "without values to shard) before fully_shard")
-        if offload:
-            raise UnsupportedParameterSubclass(f"{where}: CPU offload of subclass parameters is not supported")
+        if not home.shares_device_memory:
+            raise UnsupportedParameterSubclass(f"{where}: {home.keyword} (main weights in host memory) is not "
+                                               "supported for subclass parameters")
         if slot.shard_dim is None or world == 1:
             continue  # replicated: nothing is gathered, the module computes with the parameter itself
         _check_chunks(slot, local, world, where)

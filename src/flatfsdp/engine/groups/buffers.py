@@ -19,21 +19,23 @@ add an S-sized copy in the main weights' dtype: what the optimizer reads.
 Where two buffers hold the same dtype and range they are one tensor: fp32
 training keeps no separate main copy (ZeRO-1/2 main weights are this rank's
 chunks *inside* the kept model-weight buffer), and a kept gradient buffer's
-own row doubles as the main grads. HFSDP's main weights and grads are this
-rank's piece of its chunks (see comm.outer_shard); offloaded ones live in
-host memory and never alias what the device computes with.
+own row doubles as the main grads. Two choices made once per group decide
+the rest: its replica plan (groups/replicas.py: HFSDP's main weights and
+grads are this rank's piece of its chunks) and its main weights' home
+(layout/main_home.py: in host memory they never alias what the device
+computes with).
 """
 
 from __future__ import annotations
 
 import torch
 
-from flatfsdp.engine.comm.outer_shard import OuterShard
+from flatfsdp.engine.groups.replicas import ReplicaPlan, replicas_for
 from flatfsdp.engine.groups.wire_choice import WireChoice
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import GroupLayout
 from flatfsdp.engine.layout.buffer import FlatBuffer
-from flatfsdp.engine.layout.offload import HostOffload, staged_on_device
+from flatfsdp.engine.layout.main_home import MainHome
 from flatfsdp.engine.layout.placement import GroupPlacement
 
 
@@ -45,22 +47,17 @@ class GradientBuffers:
 
     def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
                  main_dtype: torch.dtype, reduce_dtype: torch.dtype, trainable: bool,
-                 offload: HostOffload | None, wire: WireChoice, grads_dtype: torch.dtype | None = None):
+                 home: MainHome, wire: WireChoice, grads_dtype: torch.dtype | None = None):
         """``grads_dtype``: the main grads' (None: ``main_dtype``)."""
         self.layout, self.placement, self.index = layout, placement, index
         self.pg = placement.mesh.get_group()
-        outer = placement.dp.outer
-        self.outer_pg = outer.get_group() if outer is not None and outer.size() > 1 else None
-        """HSDP: the replicas of this rank's chunks, across which reduced
-        gradients are all-reduced (None: no replicas)."""
-        self.compute_device, self.offload = device, offload
+        self.compute_device, self.home = device, home
         self.reduce_dtype = reduce_dtype
         self.wire = wire
         self.reduce_codec = wire.reduce_codec()
         """How gradients travel (comm/wire.py); a user's FSDP2 ReduceScatter may replace it."""
-        self.outer_shard = OuterShard(layout, self.outer_pg, index, wire.transport) if placement.hybrid else None
-        """HFSDP: the main weights and grads are this rank's piece of its chunks;
-        None: they are the chunks themselves."""
+        self.replicas: ReplicaPlan = replicas_for(layout, placement, index, wire.transport)
+        """How the replicas across the outer dimension relate (groups/replicas.py)."""
         self.grads = self.main_grad = self.main_grad_buffer = self.scratch_grad = None
         self.optim_grad: FlatBuffer | None = None
         """The main grads cast to the main weights' dtype, when they differ
@@ -73,43 +70,31 @@ class GradientBuffers:
 
     @property
     def main_numel(self) -> int:
-        return self.layout.shard_numel if self.outer_shard is None else self.outer_shard.numel
-
-    def _host_or_device(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self.offload is not None:
-            return self.offload.empty(numel, dtype, device)
-        return torch.empty(numel, dtype=dtype, device=device)
+        return self.replicas.main_numel
 
     def _allocate_grads(self, device: torch.device, main_dtype: torch.dtype) -> None:
         place, shard, full = self.placement, self.layout.shard_numel, self.layout.unsharded_numel
         self.grads = FlatBuffer(full, self.reduce_dtype, device, allocated=place.keep_grad_buffer, name="gradients")
         # A kept buffer's own row doubles as the main grads in one dtype.
         self.grads_aliased = (place.keep_grad_buffer and self.reduce_dtype == main_dtype
-                              and self.outer_shard is None and self.offload is None)
+                              and not self.replicas.splits_main and self.home.shares_device_memory)
         if self.grads_aliased:
             self.main_grad = self.grads.data[self.index * shard:(self.index + 1) * shard]
-        elif self.offload is not None:
-            # Host memory is what offload spends instead: kept, not released between steps.
-            self.main_grad = self._host_or_device(self.main_numel, main_dtype, device).zero_()
         else:
-            # Its own buffer: released between steps once the optimizer has
-            # dropped the grads (see GroupGradients.release_consumed).
-            self.main_grad_buffer = FlatBuffer(self.main_numel, main_dtype, device, name="main grads")
-            self.main_grad = self.main_grad_buffer.data.zero_()
+            self.main_grad, self.main_grad_buffer = self.home.main_grads(self.main_numel, main_dtype, device)
         self.scratch_grad = FlatBuffer(full, self.reduce_dtype, device, allocated=False, name="scratch")
 
     def main_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s part of a main-weights-shaped buffer (main weights or main grads)."""
-        if self.outer_shard is not None:
-            return self.outer_shard.piece_view(flat, index)
-        return views.local_chunk(flat, self.layout.params[index], self.index)
+        return self.replicas.main_view(flat, index)
+
+    def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's chunk (HFSDP: piece) of a full-size value of parameter ``index``."""
+        return self.replicas.own_chunk_of(full, index)
 
     def in_place_collective(self, tensor: torch.Tensor, collective) -> None:
-        """``collective(tensor)``, in place; an offloaded host tensor goes through the device."""
-        if self.offload is None:
-            collective(tensor)
-        else:
-            staged_on_device(tensor, self.compute_device, collective)
+        """``collective(tensor)``, in place (a host tensor goes through the device)."""
+        self.home.in_place_collective(tensor, self.compute_device, collective)
 
     def persistent_bytes(self) -> int:
         """Bytes this rank holds in these buffers at the optimizer step: kept
@@ -165,50 +150,52 @@ class GroupBuffers(GradientBuffers):
 
     def __init__(self, layout: GroupLayout, placement: GroupPlacement, *, index: int, device: torch.device,
                  compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 trainable: bool, offload: HostOffload | None, wire: WireChoice,
+                 trainable: bool, home: MainHome, wire: WireChoice,
                  grads_dtype: torch.dtype | None = None):
         """``wire``: how the weights and gradients travel (groups/wire_choice.py);
         ``grads_dtype``: the main grads' (None: ``main_dtype``)."""
         super().__init__(layout, placement, index=index, device=device, main_dtype=main_dtype,
-                         reduce_dtype=reduce_dtype, trainable=trainable, offload=offload, wire=wire,
+                         reduce_dtype=reduce_dtype, trainable=trainable, home=home, wire=wire,
                          grads_dtype=grads_dtype)
         self._allocate_weights(device, compute_dtype, main_dtype)
-        self._outer_gather = None
+        self._early_source = None
         self.gather_codec = wire.gather_codec(self)
         """How the weights travel (comm/wire.py; None: replicated, nothing does).
         A user's FSDP2 AllGather may wrap it."""
 
     def _allocate_weights(self, device: torch.device, compute_dtype: torch.dtype, main_dtype: torch.dtype) -> None:
         place, shard = self.placement, self.layout.shard_numel
-        # Offloaded main weights never share memory with what the device computes with.
-        same = main_dtype == compute_dtype and self.offload is None
+        # Host main weights never share memory with what the device computes with.
+        same = main_dtype == compute_dtype and self.home.shares_device_memory
         self.unsharded = FlatBuffer(self.layout.unsharded_numel, compute_dtype, device, name="model weights")
         self.model_local: torch.Tensor | None = None
         if self.wire.gathers_codes:
             # Gathered from codes made of the main weights: no compute-dtype
             # shard, and kept weights hold dequantized values, never the main ones.
-            self.main = self._host_or_device(self.main_numel, main_dtype, device)
+            self.main = self.home.empty(self.main_numel, main_dtype, device)
             self.main_in_unsharded = False
             return
-        if self.outer_shard is not None:
+        if self.replicas.splits_main:
             # The main weights are a piece of the chunks: never the same tensor.
             self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
-            self.main = self._host_or_device(self.main_numel, main_dtype, device)
+            self.main = self.home.empty(self.main_numel, main_dtype, device)
         elif not place.keep_model_weights:
             self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
-            self.main = self.model_local if same else self._host_or_device(shard, main_dtype, device)
+            self.main = self.model_local if same else self.home.empty(shard, main_dtype, device)
         else:
-            self.main = self.unsharded.data if same else self._host_or_device(shard, main_dtype, device)
+            self.main = self.unsharded.data if same else self.home.empty(shard, main_dtype, device)
         # Replicated, S == N and the local layout is the unsharded one.
         self.main_in_unsharded = place.keep_model_weights and same
 
     def refresh_early(self) -> None:
-        """HFSDP: start gathering every replica's piece of the updated weights
-        across the outer dimension now (a slow inter-node link: it travels
-        while earlier units compute); ``refresh_gather_source`` waits for it."""
-        if self.outer_shard is not None and self.model_local is not None and self._outer_gather is None:
+        """Start bringing the compute-dtype chunks up to date where the
+        replicas must help (HFSDP: every replica's piece of the updated
+        weights, gathered across the outer dimension now -- a slow inter-node
+        link: it travels while earlier units compute); ``refresh_gather_source``
+        waits for it."""
+        if self.model_local is not None and self._early_source is None:
             with torch.no_grad():
-                self._outer_gather = self.outer_shard.all_gather(self.main, self.model_local)
+                self._early_source = self.replicas.gather_source(self.main, self.model_local)
 
     def refresh_gather_source(self) -> None:
         """What a plain gather sends, from the main weights (once per optimizer
@@ -216,12 +203,12 @@ class GroupBuffers(GradientBuffers):
         dimension), or this rank's chunks of the kept unsharded buffer, cast."""
         with torch.no_grad():
             if self.model_local is not None:
-                if self.outer_shard is not None:
-                    self.refresh_early()
-                    self._outer_gather, pending = None, self._outer_gather
+                self.refresh_early()
+                self._early_source, pending = None, self._early_source
+                if pending is not None:
                     pending.wait()
                 elif self.model_local is not self.main:
-                    self.model_local.copy_(self.main, non_blocking=self.offload is not None)
+                    self.home.copy_(self.model_local, self.main)
             elif not self.main_in_unsharded:
                 torch._foreach_copy_([views.unsharded_chunk(self.unsharded.data, p, self.index)
                                       for p in self.layout.params],
@@ -242,11 +229,9 @@ class GroupBuffers(GradientBuffers):
             return views.unsharded_chunk(self.main, p, self.index)
         return self.main_view(self.main, index)
 
-    def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
-        """This rank's chunk (HFSDP: piece) of a full-size value of parameter ``index``."""
-        if self.outer_shard is not None:
-            return self.outer_shard.piece_of(full, index, self.index)
-        return views.chunk_of(full, self.layout.params[index], self.index)
+    def main_tensors(self) -> list[torch.Tensor]:
+        """The plain tensors the main weights are (what a broadcast sends)."""
+        return [self.main]
 
     # ---- accounting ---------------------------------------------------------------------
 

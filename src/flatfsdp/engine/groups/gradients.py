@@ -38,13 +38,6 @@ class GroupGradients:
         """Reductions delivered so far (an unbound optimizer may have stepped after each)."""
         self._accum: FlatBuffer | None = None
         self._inflight: ReduceRequest | None = None
-        self._inner_partial: torch.Tensor | None = None
-        """HFSDP, reductions deferred: inner-reduced gradient chunks still to be
-        reduce-scattered across the outer dimension."""
-        self._pending_divisor = 1.0
-        self._outer_due = False
-        """The main grads hold sums over the shard mesh only: the all-reduce
-        across replicas is still to come (HSDP with reductions deferred)."""
         self._used = [False] * len(params)
         self._destinations: dict[int, list] = {}
         self._zero_plans: dict[int, tuple] = {}
@@ -142,11 +135,11 @@ class GroupGradients:
         optimizer step, however many microbatches."""
         if self._accum is None:
             return None
-        b = self.buffers
+        b, replicas = self.buffers, self.buffers.replicas
         accum, has_data = self._accum, self.has_data()
         self._accum = None
         if not has_data:
-            self._outer_due = False  # what was pending was dropped with the grads
+            replicas.grads_dropped()
         if b.main_grad_buffer is not None:
             b.main_grad_buffer.alloc()  # no-op unless released since the last step
         if divide_factor is not None:
@@ -157,28 +150,20 @@ class GroupGradients:
         if not b.placement.sharded:
             request = ReduceRequest("all_reduce", accum.data, accum.data, b.pg, codec)
         else:
-            direct = (not has_data and b.main_grad.dtype == b.reduce_dtype and b.outer_shard is None
-                      and b.offload is None)
+            # Straight into the main grads where nothing is summed into them and
+            # nothing follows on another layout or in another memory.
+            direct = (not has_data and b.main_grad.dtype == b.reduce_dtype and not replicas.splits_main
+                      and b.home.shares_device_memory)
             result = b.main_grad if direct else torch.empty(
                 b.layout.shard_numel, dtype=b.reduce_dtype, device=b.compute_device)
             # FSDP2's custom collectives average in the collective (ReduceOp.AVG) where it would.
-            average = not sum_only and b.outer_pg is None and codec.averages(divisor, b.pg, b.reduce_dtype)
+            average = (not sum_only and replicas.lets_collective_average
+                       and codec.averages(divisor, b.pg, b.reduce_dtype))
             request = ReduceRequest("reduce_scatter", accum.data, result, b.pg, codec, average=average)
             if average:
                 divisor = 1.0
-        outer_now = b.outer_pg is not None and all_reduce and not (defer_to_step and len(self.bound_optimizers))
-        if outer_now and not self._outer_due and b.outer_shard is None:
-            # Only this backward's sums lack the replicas': the request
-            # all-reduces just them (coalesced with the rest of its bucket),
-            # chained after the reduce-scatter, never blocking (Pending.chain).
-            request.outer = b.outer_pg
-        piece = None
-        if b.outer_shard is not None and outer_now and self._inner_partial is None:
-            # HFSDP with nothing summed from earlier microbatches: the outer
-            # reduce-scatter follows the inner one as a chained stage.
-            piece = torch.empty(b.outer_shard.numel, dtype=request.output.dtype, device=request.output.device)
-            inner_sums = request.output
-            request.follow = lambda: b.outer_shard.reduce_scatter(inner_sums, piece)
+        outer_now = all_reduce and not (defer_to_step and len(self.bound_optimizers))
+        landed = replicas.follow_up(request, outer_now)
         if b.placement.sharded and (accum is b.scratch_grad or not b.placement.keep_grad_buffer):
             request.landed.append(accum.free)  # reduced: the follow-up needs only the (shard-sized) output
         # The callback names the output, not the request: a request holding a
@@ -186,25 +171,22 @@ class GroupGradients:
         # shard-sized buffer for HFSDP and bf16 reductions) would then live
         # until Python's cycle collector ran, not until delivered.
         output = request.output
-        request.then.append(lambda: self._finish(accum, output, has_data, divisor, outer_now, piece))
+        request.then.append(lambda: self._finish(accum, output, has_data, divisor, outer_now, landed))
         if hook is not None:
             request.then.append(lambda: (hook(b.main_grad), b.sync_optimizer_grad()))
         self._inflight = request
         return request
 
     def complete(self) -> None:
-        """Wait for the reduction in flight and do any all-reduce across
+        """Wait for the reduction in flight and do any reduction across
         replicas still owed: the main grads are then final."""
         self.wait()
-        if self._inner_partial is not None:
-            self._deliver(self._outer_reduce(), self.has_data(), self._pending_divisor)
-        if self._outer_due:
-            self._outer_due = False
-            self._all_reduce_over_replicas()
+        self.buffers.replicas.complete(self)
 
-    def _all_reduce_over_replicas(self) -> None:
+    def all_reduce_main_grads(self, group) -> None:
+        """Sum the main grads across ``group`` (the replicas), in place."""
         b = self.buffers
-        b.in_place_collective(b.main_grad, lambda t: b.reduce_codec.all_reduce(t, b.outer_pg).wait())
+        b.in_place_collective(b.main_grad, lambda t: b.reduce_codec.all_reduce(t, group).wait())
         b.sync_optimizer_grad()
 
     def release_consumed(self) -> None:
@@ -252,7 +234,7 @@ class GroupGradients:
                 self._accum.free()
             self._accum = None
         self._used = [False] * len(self.params)
-        self._outer_due = False
+        self.buffers.replicas.grads_dropped()
         if not keep_grads:
             for sp in self.sharded_params:
                 sp.grad = None
@@ -271,42 +253,19 @@ class GroupGradients:
             self._inflight.wait()
 
     def _finish(self, accum: FlatBuffer, result: torch.Tensor, has_data: bool, divisor: float,
-                outer_now: bool, piece: torch.Tensor | None = None) -> None:
+                outer_now: bool, landed: torch.Tensor | None) -> None:
         self._inflight = None
-        if self.buffers.outer_shard is None:
-            self._deliver(result, has_data, divisor, outer_now)
-        elif piece is not None:  # HFSDP, its outer reduce-scatter chained: landed in ``piece``
-            self._deliver(piece, self.has_data(), divisor)
-        else:
-            # HFSDP: sum inner-reduced chunks until the outer reduce-scatter is due.
-            if self._inner_partial is None:
-                self._inner_partial = result
-            else:
-                self._inner_partial.add_(result)
-            self._pending_divisor = divisor
-            if outer_now:
-                self._deliver(self._outer_reduce(), self.has_data(), divisor)
+        self.buffers.replicas.land(self, result, landed, has_data, divisor, outer_now)
         # After delivery: a replicated group's result is the accumulation buffer itself.
         if accum is self.buffers.scratch_grad or not self.buffers.placement.keep_grad_buffer:
             accum.free()
 
-    def _outer_reduce(self) -> torch.Tensor:
-        """HFSDP: reduce-scatter the summed chunks across the outer dimension;
-        returns this rank's piece (not yet divided)."""
-        partial, self._inner_partial = self._inner_partial, None
-        outer_shard = self.buffers.outer_shard
-        piece = torch.empty(outer_shard.numel, dtype=partial.dtype, device=partial.device)
-        outer_shard.reduce_scatter(partial, piece).wait()
-        return piece
-
-    def _deliver(self, result: torch.Tensor, has_data: bool, divisor: float, outer_now: bool = True) -> None:
-        """Reduced gradients into the main grads (summing into unconsumed ones),
-        then hand the optimizer its ``.grad`` views."""
+    def sum_into_main(self, result: torch.Tensor, has_data: bool, divisor: float) -> None:
+        """Reduced gradients into the main grads (summing into unconsumed ones)."""
         b = self.buffers
         if b.main_grad_buffer is not None:
             b.main_grad_buffer.alloc()
-        if b.offload is not None:
-            result = result.to(b.main_grad.device)  # device -> host, once per reduction
+        result = b.home.take(result, b.main_grad)
         with torch.no_grad():
             if has_data:
                 for index, grad in enumerate(self.sharded_params):
@@ -320,12 +279,10 @@ class GroupGradients:
                 torch.div(result, divisor, out=b.main_grad)
             else:
                 b.main_grad.copy_(result)
-        if b.outer_pg is not None and b.outer_shard is None:
-            if outer_now and self._outer_due:
-                # Earlier backwards' sums are in the main grads too: all-reduce the lot, once.
-                self._all_reduce_over_replicas()
-            self._outer_due = not outer_now
-        b.sync_optimizer_grad()
+
+    def hand_over(self) -> None:
+        """Hand the optimizer its ``.grad`` views of the main grads."""
+        self.buffers.sync_optimizer_grad()
         for i, sp in enumerate(self.sharded_params):
             if self._used[i]:
                 sp.grad = self.grad_dtensors[i]

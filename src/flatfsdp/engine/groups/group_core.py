@@ -7,25 +7,47 @@ checks after sharding see either through ``ParamGroupFace``; what both do
 the same way -- which chunk this rank holds, whether it trains, the DTensor
 each parameter is placed as, the stamp that says when the weights changed,
 the optimizers bound to it, following a parameter (un)frozen after
-sharding -- lives once, in ``GroupCore``.
+sharding, handing the gradient path's calls on -- lives once, in ``GroupCore``.
+
+Outside this package a group is read only through that face: its tensors as
+one record (``tensors()``, groups/group_tensors.py), a parameter's part of
+them, its memory account and its gradient path's few calls -- never its
+buffers or gradients objects.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from flatfsdp.engine.comm.coalesce import GatherRequest
+from flatfsdp.engine.comm.coalesce import GatherRequest, ReduceRequest
 from flatfsdp.engine.comm.user_comms import UserAllGather, UserReduceScatter
+from flatfsdp.engine.groups.group_tensors import GroupTensors
 from flatfsdp.engine.groups.slots import ParamSlot, contiguous_strides
+from flatfsdp.engine.layout.arithmetic import GroupLayout
+from flatfsdp.engine.layout.main_home import MainHome
 from flatfsdp.engine.layout.placement import GroupPlacement
 
 
+class GroupMemory(Protocol):
+    """A group's memory account (groups/buffers.py, subclass_buffers.py)."""
+
+    @property
+    def gathered_bytes(self) -> int: ...
+    def persistent_bytes(self) -> int: ...
+    def persistent_bytes_by_role(self) -> dict[str, int]: ...
+    def allocated_bytes(self) -> int: ...
+    def flat_buffers(self) -> list[torch.Tensor]: ...
+    def held_tensors(self) -> list[torch.Tensor]: ...
+
+
+@runtime_checkable
 class ParamGroupFace(Protocol):
-    """A param group as the runtime uses it."""
+    """A param group as the runtime and the front doors use it."""
 
     slots: list[ParamSlot]
     params: list[nn.Parameter]
@@ -33,12 +55,41 @@ class ParamGroupFace(Protocol):
     sharded_params: list[nn.Parameter]
     """What the optimizer steps: DTensors placed as FSDP2 places them."""
     placement: GroupPlacement
+    layout: GroupLayout
+    index: int
+    """Which chunk this rank holds (0 when replicated)."""
     trainable: bool
     compute_device: torch.device
+    compute_dtype: torch.dtype
+    main_dtype: torch.dtype
+    home: MainHome
+    """Where the main weights and grads live (layout/main_home.py)."""
     bound_optimizers: weakref.WeakSet
-    buffers: object
-    gradients: object
 
+    # ---- its tensors ----
+    def tensors(self) -> GroupTensors: ...
+    def main_chunk(self, index: int) -> torch.Tensor: ...
+    def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor: ...
+    def main_view(self, flat: torch.Tensor, index: int) -> torch.Tensor: ...
+    def main_grads(self) -> torch.Tensor | None: ...
+    def main_grads_held(self) -> bool: ...
+    def memory(self) -> GroupMemory: ...
+    def broadcast_from_first_replica(self) -> None: ...
+
+    # ---- its gradients ----
+    def accumulate_grads(self, include_unused: bool = False) -> bool: ...
+    def reduction_request(self, average: bool, divide_factor: float | None = None,
+                          hook: Callable | None = None, **flags: bool) -> ReduceRequest | None: ...
+    def complete_reduction(self) -> None: ...
+    def discard_grads(self, keep_grads: bool = False) -> None: ...
+    def scale_grads(self, factor: float) -> None: ...
+    def release_consumed_grads(self) -> None: ...
+    @property
+    def reduction_in_flight(self) -> bool: ...
+    @property
+    def grads_delivered(self) -> int: ...
+
+    # ---- its weights ----
     @property
     def is_unsharded(self) -> bool: ...
     def gather_request(self) -> GatherRequest | None: ...
@@ -137,6 +188,74 @@ class GroupCore:
         for slot, sharded in zip(self.slots, self.sharded_params):
             for module, attr in slot.locations:
                 module._parameters[attr] = sharded
+
+    # ---- its tensors, through its buffers ----------------------------------------------------
+
+    def main_chunk(self, index: int) -> torch.Tensor:
+        """This rank's chunk of parameter ``index`` in the main weights (the sharded DTensor's local tensor)."""
+        return self.buffers.main_chunk(index)
+
+    def own_chunk_of(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's part (chunk; HFSDP: piece) of a full-size value of parameter ``index``."""
+        return self.buffers.own_chunk_of(full, index)
+
+    def main_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s part of a main-weights-shaped flat tensor (e.g. the main grads)."""
+        return self.buffers.main_view(flat, index)
+
+    def main_grads(self) -> torch.Tensor | None:
+        """The flat main grads (None: a frozen group)."""
+        return self.buffers.main_grad
+
+    def main_grads_held(self) -> bool:
+        """Whether the main grads hold values now (not frozen, not released between steps)."""
+        b = self.buffers
+        return b.main_grad is not None and (b.main_grad_buffer is None or b.main_grad_buffer.is_allocated)
+
+    def memory(self) -> GroupMemory:
+        return self.buffers
+
+    def broadcast_from_first_replica(self) -> None:
+        """Every replica takes the first one's main weights: the whole group
+        across the shard group where it is replicated there, and across the
+        outer dimension as the replica plan says (HSDP); chunks and pieces
+        have no replica to agree with."""
+        b = self.buffers
+        tensors = b.main_tensors()
+        with torch.no_grad():
+            if not self.placement.sharded and b.pg.size() > 1:
+                for t in tensors:
+                    b.in_place_collective(t, lambda s: dist.broadcast(s, group=b.pg, group_src=0))
+            b.replicas.broadcast_main(tensors, b.home, b.compute_device)
+
+    # ---- its gradient path (groups/gradients.py) ---------------------------------------------
+
+    def accumulate_grads(self, include_unused: bool = False) -> bool:
+        return self.gradients.accumulate(include_unused)
+
+    def reduction_request(self, average: bool, divide_factor: float | None = None, hook=None,
+                          **flags: bool) -> ReduceRequest | None:
+        return self.gradients.reduction_request(average, divide_factor, hook, **flags)
+
+    def complete_reduction(self) -> None:
+        self.gradients.complete()
+
+    def discard_grads(self, keep_grads: bool = False) -> None:
+        self.gradients.discard(keep_grads)
+
+    def scale_grads(self, factor: float) -> None:
+        self.gradients.scale(factor)
+
+    def release_consumed_grads(self) -> None:
+        self.gradients.release_consumed()
+
+    @property
+    def reduction_in_flight(self) -> bool:
+        return self.gradients.in_flight
+
+    @property
+    def grads_delivered(self) -> int:
+        return self.gradients.delivered
 
     # ---- a user's FSDP2 collectives (comm/user_comms.py) -----------------------------------
 

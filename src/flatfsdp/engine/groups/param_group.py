@@ -19,11 +19,12 @@ from flatfsdp.engine.comm.coalesce import GatherRequest
 from flatfsdp.engine.groups.buffers import GroupBuffers
 from flatfsdp.engine.groups.gradients import GroupGradients
 from flatfsdp.engine.groups.group_core import GroupCore
+from flatfsdp.engine.groups.group_tensors import GroupTensors
 from flatfsdp.engine.groups.slots import ParamSlot, contiguous_strides, local_value
 from flatfsdp.engine.groups.wire_choice import WireChoice
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import build_group_layout
-from flatfsdp.engine.layout.offload import HostOffload
+from flatfsdp.engine.layout.main_home import DEVICE, MainHome
 from flatfsdp.engine.layout.placement import GroupPlacement
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
 from flatfsdp.engine.layout.switches import Transport
@@ -36,11 +37,11 @@ together and are copied out (a message costs ~0.1 ms on gloo here, copying
 
 class ParamGroup(GroupCore):
     def __init__(self, slots: list[ParamSlot], *, placement: GroupPlacement, policy: MixedPrecisionPolicy,
-                 device: torch.device, transport: Transport, fill: bool = True, offload: HostOffload | None = None):
+                 device: torch.device, transport: Transport, fill: bool = True, home: MainHome = DEVICE):
         """``fill=False``: the caller writes the main weights' chunks itself
-        (the parameters' values are not read). ``offload``: the main weights
-        and grads live in host memory (see layout/offload.py). ``transport``:
-        how collectives move bytes (layout/switches.py)."""
+        (the parameters' values are not read). ``home``: where the main
+        weights and grads live (layout/main_home.py). ``transport``: how
+        collectives move bytes (layout/switches.py)."""
         super().__init__(slots, placement, device)
         self.slots = slots
         self.params = [s.param for s in slots]
@@ -48,7 +49,7 @@ class ParamGroup(GroupCore):
         made views of the unsharded buffer), or for tensor-parallel ones a
         DTensor of that view (built in _make_views)."""
         original = self.params[0].dtype
-        self.offload = offload
+        self.home = home
         self.compute_dtype = policy.compute_dtype(original)
         # Frozen parameters keep their own dtype: nothing steps them, and their
         # DTensors (and checkpoints) must hold the values they were given.
@@ -59,10 +60,10 @@ class ParamGroup(GroupCore):
                                          [s.shard_dim for s in slots], direct_min_numel=DIRECT_MIN_BYTES // itemsize)
         wire = WireChoice.for_group(policy, transport, sharded=placement.sharded,
                                     floating=self.compute_dtype.is_floating_point, trainable=self.trainable,
-                                    offloaded=offload is not None, name=slots[0].fqn)
+                                    home=home, name=slots[0].fqn)
         self.buffers = GroupBuffers(self.layout, placement, index=self.index, device=device,
                                     compute_dtype=self.compute_dtype, main_dtype=self.main_dtype,
-                                    reduce_dtype=self.reduce_dtype, trainable=self.trainable, offload=offload,
+                                    reduce_dtype=self.reduce_dtype, trainable=self.trainable, home=home,
                                     wire=wire, grads_dtype=policy.grads_dtype(original) if self.trainable else None)
         if fill:
             self._fill_from_params()
@@ -82,12 +83,8 @@ class ParamGroup(GroupCore):
             if not b.main_in_unsharded:
                 for index, value in enumerate(values):
                     b.main_chunk(index).copy_(b.own_chunk_of(value, index))
-            # Replicas must agree: the first replica's values win.
-            if not self.placement.sharded and b.pg.size() > 1:
-                b.in_place_collective(b.main, lambda t: torch.distributed.broadcast(t, group=b.pg, group_src=0))
-            if b.outer_pg is not None and b.outer_shard is None:
-                b.in_place_collective(b.main, lambda t: torch.distributed.broadcast(t, group=b.outer_pg,
-                                                                                    group_src=0))
+        # Replicas must agree: the first replica's values win.
+        self.broadcast_from_first_replica()
         # Model weights are synced from the main weights before first use
         # (ZeRO-1/2 gather them, so every replica agrees).
         self._synced = None
@@ -143,6 +140,17 @@ class ParamGroup(GroupCore):
     def originals(self) -> list[nn.Parameter]:
         """The parameters as the user built them (their data now views the buffers)."""
         return [s.param for s in self.slots]
+
+    def tensors(self) -> GroupTensors:
+        """The group's own flat tensors (groups/group_tensors.py)."""
+        b, place = self.buffers, self.placement
+        kept = place.keep_model_weights or b.model_local is None
+        return GroupTensors(
+            model_weights=b.unsharded.data if kept else b.model_local, model_weights_sharded=not kept,
+            main_weights=b.main, main_in_model_weights=b.main_in_unsharded, main_grads=b.main_grad,
+            sharded=place.sharded, process_group=b.pg, rank_index=self.index, world=place.world,
+            compute_dtype=self.compute_dtype, main_dtype=self.main_dtype, engine_storage=True,
+            layout=self.layout, main_view=b.main_view)
 
     # ---- weights ------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from flatfsdp.engine.groups.buffers import GradientBuffers, _distinct_storage_by
 from flatfsdp.engine.groups.subclass_gather import SubclassGatherPlan, inner_tensors
 from flatfsdp.engine.groups.wire_choice import WireChoice
 from flatfsdp.engine.layout.arithmetic import GroupLayout
+from flatfsdp.engine.layout.main_home import DEVICE
 from flatfsdp.engine.layout.placement import GroupPlacement
 
 
@@ -32,7 +33,7 @@ class SubclassBuffers(GradientBuffers):
                  locals_: Callable[[], list[torch.Tensor]], plan: SubclassGatherPlan | None, wire: WireChoice):
         """``wire``: their gradients reduce in ``reduce_dtype``, never as codes."""
         super().__init__(layout, placement, index=index, device=device, main_dtype=main_dtype,
-                         reduce_dtype=reduce_dtype, trainable=trainable, offload=None, wire=wire)
+                         reduce_dtype=reduce_dtype, trainable=trainable, home=DEVICE, wire=wire)
         self.main_in_unsharded = False
         self._locals = locals_
         self.plan = plan
@@ -43,6 +44,10 @@ class SubclassBuffers(GradientBuffers):
     def main_chunk(self, index: int) -> torch.Tensor:
         """The parameter's sharded local tensor (an instance of its subclass)."""
         return self._locals()[index]
+
+    def main_tensors(self) -> list[torch.Tensor]:
+        """The plain tensors inside the parameters' local tensors (what a broadcast sends)."""
+        return self._weight_tensors()
 
     # ---- accounting ---------------------------------------------------------------------
 

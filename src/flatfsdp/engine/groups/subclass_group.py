@@ -30,11 +30,14 @@ from torch.distributed.tensor import DTensor
 from flatfsdp.engine.comm.coalesce import GatherRequest
 from flatfsdp.engine.groups.gradients import GroupGradients
 from flatfsdp.engine.groups.group_core import GroupCore
+from flatfsdp.engine.groups.group_tensors import GroupTensors, plain_values
 from flatfsdp.engine.groups.slots import ParamSlot
 from flatfsdp.engine.groups.subclass_buffers import SubclassBuffers
 from flatfsdp.engine.groups.subclass_gather import SubclassGatherPlan
 from flatfsdp.engine.groups.wire_choice import WireChoice
+from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import build_group_layout
+from flatfsdp.engine.layout.main_home import DEVICE
 from flatfsdp.engine.layout.placement import GroupPlacement
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
 from flatfsdp.engine.layout.switches import Transport
@@ -45,11 +48,11 @@ class SubclassGroup(GroupCore):
                  device: torch.device, transport: Transport):
         super().__init__(slots, placement, device)
         original = slots[0].param.dtype
-        self.offload = None
+        self.home = DEVICE
         # The main weights are the subclass's own: gradients match their dtype.
         self.main_dtype = original
         self.reduce_dtype = policy.reduction_dtype(original)
-        param_dtype = policy.compute_dtype(original)
+        self.compute_dtype = param_dtype = policy.compute_dtype(original)
         world = placement.world
         self.layout = build_group_layout([s.local_shape for s in slots], world, [s.shard_dim for s in slots])
         locals_ = [self._local_chunk(s.param.detach(), world) for s in slots]
@@ -107,6 +110,24 @@ class SubclassGroup(GroupCore):
             return [s.param for s in self.slots]
         alive = [ref() for ref in self._originals]
         return [s.param if original is None else original for original, s in zip(alive, self.slots)]
+
+    def tensors(self) -> GroupTensors:
+        """The record of groups/group_tensors.py: the main grads are the
+        engine's own; the weights, held as subclass instances, are flat copies
+        of their plain values (the same copy stands for the model weights:
+        the subclass rebuilds what the module computes with at each gather)."""
+        b, place = self.buffers, self.placement
+        with torch.no_grad():
+            values = [plain_values(local.detach()) for local in self.sharded_locals()]
+            flat = torch.zeros(self.layout.shard_numel, dtype=values[0].dtype, device=values[0].device)
+            for p, value in zip(self.layout.params, values):
+                views.local_chunk(flat, p, self.index).copy_(value)
+        model = flat if flat.dtype == self.compute_dtype else flat.to(self.compute_dtype)
+        return GroupTensors(
+            model_weights=model, model_weights_sharded=place.sharded, main_weights=flat,
+            main_in_model_weights=False, main_grads=b.main_grad, sharded=place.sharded, process_group=b.pg,
+            rank_index=self.index, world=place.world, compute_dtype=self.compute_dtype, main_dtype=flat.dtype,
+            engine_storage=False, layout=self.layout, main_view=b.main_view)
 
     def sharded_locals(self) -> list[torch.Tensor]:
         """Each sharded parameter's local tensor, read afresh: the object may

@@ -16,6 +16,7 @@ from flatfsdp.engine.comm.block_reduce import BlockScaledReduce
 from flatfsdp.engine.comm.gather import GatherPlan
 from flatfsdp.engine.comm.wire import GatherCodec, PlainReduce, ReduceCodec
 from flatfsdp.engine.layout.block_formats import BlockFormat
+from flatfsdp.engine.layout.main_home import MainHome
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
 from flatfsdp.engine.layout.switches import Transport
 
@@ -30,14 +31,12 @@ class WireChoice:
 
     @staticmethod
     def for_group(policy: MixedPrecisionPolicy, transport: Transport, *, sharded: bool, floating: bool,
-                  trainable: bool, offloaded: bool, name: str) -> "WireChoice":
+                  trainable: bool, home: MainHome, name: str) -> "WireChoice":
         """Codes travel only where something is sharded (a replicated group
         gathers nothing and all-reduces its gradients in fp32) and only for
         floating-point weights; gradient codes only for trainable groups."""
         weights = policy.gather_format if sharded and floating else None
-        if weights is not None and offloaded:
-            raise NotImplementedError(f"param_gather_dtype={weights.name!r} with CPU offload (parameter '{name}'): "
-                                      "block-scaled gathers read the main weights on the device")
+        home.check_weight_codes(weights, name)
         grads = policy.reduce_format if sharded and trainable else None
         return WireChoice(transport, weights, grads)
 
@@ -53,9 +52,9 @@ class WireChoice:
         if not place.sharded:
             return None
         if self.weight_format is not None:
-            outer = (b.outer_shard, b.main) if b.outer_shard is not None else None
             return BlockScaledGather(b.layout, b.index, b.unsharded.data, self.weight_format,
-                                     transport=self.transport, main_chunk=b.main_chunk, outer=outer,
+                                     transport=self.transport, main_chunk=b.main_chunk,
+                                     replica_gather=b.replicas.code_gather(b.main),
                                      keep_codes=not place.keep_model_weights)
         kept = place.keep_model_weights
         return GatherPlan(b.layout, b.index, b.unsharded.data, b.unsharded.data if kept else b.model_local,

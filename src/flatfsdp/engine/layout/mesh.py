@@ -35,12 +35,12 @@ class DataParallelMesh:
     grad_world: int | None = None
     """How many data-parallel ranks' gradients are averaged (defaults to
     shard x outer; expert parameters use the global data-parallel size)."""
-    outer_shards_optimizer: bool = False
+    replicas_split_optimizer: bool = False
     """HFSDP (Megatron-FSDP's ``outer_dp_sharding_strategy="optim"``): the
     optimizer's share is split across ``outer`` too."""
     hybrid_spmd: DeviceMesh | None = None
     """HFSDP: the ``(shard, outer)`` mesh (``spmd`` transposed) its pieces are
-    placed ``(Shard(0), Shard(0))`` on (see outer_shard)."""
+    placed ``(Shard(0), Shard(0))`` on (see groups/replicas.py)."""
 
     def __post_init__(self):
         if self.spmd is None:
@@ -67,7 +67,7 @@ class DataParallelMesh:
         """Names of the spmd mesh's dimensions (for error messages and the account)."""
         return tuple(self.spmd.mesh_dim_names or (f"dim{i}" for i in range(self.spmd.ndim)))
 
-    def with_outer_sharding(self) -> "DataParallelMesh":
+    def with_split_replicas(self) -> "DataParallelMesh":
         """HFSDP, with the transposed ``(shard, outer)`` mesh its pieces are
         placed on. New process groups are collective over the world, so every
         replica's transposed mesh is built together, from every rank's view."""
@@ -87,7 +87,7 @@ class DataParallelMesh:
             stacked = torch.tensor(replicas, dtype=torch.int64)
             whole = DeviceMesh(self.device_type, stacked, mesh_dim_names=("_hfsdp_replica", names[1], names[0]))
             transposed = whole[(names[1], names[0])]  # this rank's replica
-        return DataParallelMesh(self.shard, self.outer, self.spmd, self.grad_world, outer_shards_optimizer=True,
+        return DataParallelMesh(self.shard, self.outer, self.spmd, self.grad_world, replicas_split_optimizer=True,
                                 hybrid_spmd=transposed)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flatfsdp.engine.layout.mesh import DataParallelMesh
-from flatfsdp.engine.layout.offload import HostOffload
+from flatfsdp.engine.layout.main_home import DEVICE, MainHome
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
 from flatfsdp.engine.layout.strategy import ShardingStrategy
 from flatfsdp.engine.layout.switches import EngineSwitches
@@ -33,8 +33,8 @@ class ShardOptions:
     """Compute, main, reduction and wire dtypes (``mp_policy`` / ``mixed_precision_policy``)."""
     expert_mesh: DataParallelMesh | None = None
     """Where expert parameters (``allreduce=False``) are sharded (``expt_device_mesh``)."""
-    offload: HostOffload | None = None
-    """Main weights and grads in host memory (FSDP2's ``offload_policy``)."""
+    main_home: MainHome = DEVICE
+    """Where main weights and grads live: the device, or host memory (FSDP2's policy, layout/main_home.py)."""
     reshard_after_forward: bool | None = None
     """Release a unit's weights after its forward (None: all but the root and
     the unit that runs last)."""

@@ -72,7 +72,7 @@ class GroupPlacement:
     """The tensor-parallel mesh every parameter of the group is a DTensor on (None: plain tensors)."""
     hybrid: bool = False
     """HFSDP: main weights, main grads and optimizer state are sharded across
-    the outer dimension as well (see outer_shard)."""
+    the outer dimension as well (see groups/replicas.py)."""
 
     @classmethod
     def resolve(cls, strategy: ShardingStrategy, dp: DataParallelMesh, *, replicate: bool = False,
@@ -110,7 +110,7 @@ class GroupPlacement:
         tensor-parallel ones. Where tensor parallelism already splits the
         dimension chunked here, the chunk is of the local shard: ``_StridedShard``."""
         if self.hybrid:
-            return Shard(0), Shard(0)  # inner chunk i, then its o-th piece, on (shard, outer): see outer_shard
+            return Shard(0), Shard(0)  # inner chunk i, then its o-th piece, on (shard, outer): see groups/replicas.py
         outer = (Replicate(),) if self.dp.outer is not None else ()
         if param.shard_dim is None:
             dp: Placement = Replicate()

@@ -37,17 +37,18 @@ def _adopt(group: ParamGroup, state, module: nn.Module) -> ParamGroup:
         converted.append(value)
     locals_ = [v.to_local() if isinstance(v, DTensor) else v for v in converted]
     unchanged = all(v is s for v, s in zip(converted, group.sharded_params))
-    if unchanged and all(same_start(t, group.buffers.main_chunk(i)) for i, t in enumerate(locals_)
+    if unchanged and all(same_start(t, group.main_chunk(i)) for i, t in enumerate(locals_)
                          if t.numel()):
         return group  # nothing converted (e.g. .to() to what it already was)
     dtype, device = locals_[0].dtype, locals_[0].device
-    if dtype == group.buffers.main.dtype and device == group.buffers.main.device:
+    main = group.tensors().main_weights
+    if dtype == main.dtype and device == main.device:
         target = group
     else:
         target = _rebuilt(group, state, dtype, device)
     with torch.no_grad():
         for index, local in enumerate(locals_):
-            chunk = target.buffers.main_chunk(index)
+            chunk = target.main_chunk(index)
             if local.shape != chunk.shape:
                 raise RuntimeError(f"converting '{target.slots[index].fqn}' changed its shard shape "
                                    f"{tuple(chunk.shape)} -> {tuple(local.shape)}")
@@ -88,4 +89,4 @@ def _rebuilt(group: ParamGroup, state, dtype: torch.dtype, device: torch.device)
             m._parameters[attr] = param
         slots.append(dataclasses.replace(slot, param=param))
     return ParamGroup(slots, placement=group.placement, policy=state.options.policy, device=device,
-                      transport=state.options.switches.transport, fill=False, offload=group.offload)
+                      transport=state.options.switches.transport, fill=False, home=group.home)

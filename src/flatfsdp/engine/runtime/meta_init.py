@@ -157,7 +157,7 @@ def initialize_pending(state) -> None:
     state.deferred.drop()
     temps, saved = [], []
     for group in state.groups:
-        main = group.buffers.main
+        main = group.tensors().main_weights
         temp = torch.empty(group.layout.unsharded_numel, dtype=main.dtype, device=main.device)
         saved.append([param.data for param in group.params])  # views of the (maybe freed) model buffer
         for p, param in zip(group.layout.params, group.params):
@@ -170,8 +170,7 @@ def initialize_pending(state) -> None:
         for group, temp, old in zip(state.groups, temps, saved):
             for index, (p, param) in enumerate(zip(group.layout.params, group.params)):
                 if id(param) in was_meta:
-                    buffers = group.buffers
-                    buffers.main_chunk(index).copy_(buffers.own_chunk_of(views.unsharded_param(temp, p), index))
+                    group.main_chunk(index).copy_(group.own_chunk_of(views.unsharded_param(temp, p), index))
                 param.data = old[index]
             group.use_sharded_params()
             group.note_weights_written()

@@ -106,7 +106,7 @@ class NonFiniteWatch:
 
     def note(self, group, mode: str) -> None:
         """A reduction landed in ``group``'s main grads: keep its sum (no sync)."""
-        main_grad = group.buffers.main_grad
+        main_grad = group.main_grads()
         if mode == "off" or main_grad is None or main_grad.numel() == 0 or is_fake(main_grad):
             return  # fake tensors (the estimator's dry run) have no values to check
         self._sums.append((group, main_grad.sum(dtype=torch.float32)))
@@ -162,8 +162,8 @@ class NonFiniteWatch:
         if ready is None:
             return None
         step, candidates = ready
-        return step, _bad_groups([(g, g.buffers.main_grad.sum(dtype=torch.float32)) for g in candidates
-                                  if g.buffers.main_grad is not None])
+        return step, _bad_groups([(g, g.main_grads().sum(dtype=torch.float32)) for g in candidates
+                                  if g.main_grads() is not None])
 
     def _raise_if_any_rank(self, groups: list, names: dict, group, step: int) -> None:
         flag = torch.tensor([1.0 if groups else 0.0])
@@ -199,13 +199,11 @@ def _report(groups: list, names: dict) -> NonFiniteReport:
     named by its first parameter."""
     found = []
     for group in groups:
-        b = group.buffers
-        held = b.main_grad is not None and (b.main_grad_buffer is None or b.main_grad_buffer.is_allocated)
-        source = b.main_grad if held else None
+        source = group.main_grads() if group.main_grads_held() else None
         hits = []
         for index, sharded in enumerate(group.sharded_params):
             if source is not None:
-                values = b.main_view(source, index)
+                values = group.main_view(source, index)
             else:
                 values = sharded.to_local() if isinstance(sharded, DTensor) else sharded
             if values.numel() and not bool(torch.isfinite(values.detach()).all()):

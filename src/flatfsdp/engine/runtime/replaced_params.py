@@ -27,7 +27,7 @@ def adopt_replaced_params(state) -> set[int]:
                     continue
                 _check_compatible(slot, sharded, current)
                 with torch.no_grad():
-                    group.buffers.main_chunk(index).copy_(_own_chunk(group, index, sharded, current))
+                    group.main_chunk(index).copy_(_own_chunk(group, index, sharded, current))
                 if isinstance(current, DTensor):
                     # FSDP2 keeps the new DTensor object as the sharded parameter: so does this.
                     group.adopt_sharded_param(index, current)
@@ -66,7 +66,7 @@ def _own_chunk(group, index: int, sharded: DTensor, value: torch.Tensor) -> torc
     if isinstance(value, DTensor):
         local = value.to_local()
         if (value.device_mesh == sharded.device_mesh and value.placements == sharded.placements
-                and local.shape == group.buffers.main_chunk(index).shape):
+                and local.shape == group.main_chunk(index).shape):
             return local
         value = value.full_tensor()
-    return group.buffers.own_chunk_of(value.detach().to(sharded.device), index)
+    return group.own_chunk_of(value.detach().to(sharded.device), index)

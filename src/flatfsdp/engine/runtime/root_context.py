@@ -96,9 +96,9 @@ class RootContext:
             self.schedule.record(f"the gradient reduction of unit '{getattr(request, 'unit', '?')}'")
         mode = self._nonfinite_mode
         if group is not None and mode != "off":
-            delivered = group.gradients.delivered
+            delivered = group.grads_delivered
             # Summed once delivered (HFSDP's deferred outer step delivers later, unseen here).
-            request.then.append(lambda: group.gradients.delivered != delivered and self.nonfinite.note(group, mode))
+            request.then.append(lambda: group.grads_delivered != delivered and self.nonfinite.note(group, mode))
         self.reductions.submit(request)
 
     def wait_reductions(self) -> None:
@@ -160,7 +160,7 @@ class RootContext:
         bound optimizer steps: its step waits for them (see optimizer.py), so
         they may land while the host moves on. Otherwise an optimizer the engine
         does not know could step before they land: wait now."""
-        return all(len(g.bound_optimizers) for s in self.states for g in s.groups if g.gradients.in_flight)
+        return all(len(g.bound_optimizers) for s in self.states for g in s.groups if g.reduction_in_flight)
 
     def after_root_forward(self) -> None:
         """The root's forward returned: grouped units some of whose modules did
@@ -204,7 +204,7 @@ class RootContext:
                              dist.group.WORLD if dist.is_initialized() else None)
         for state in self.states:
             for group in state.groups:
-                group.gradients.release_consumed()
+                group.release_consumed_grads()
         # HFSDP: every unit's updated weights start across the outer (slow,
         # inter-node) dimension now, in unit order, and travel while the
         # forward computes; each unit's gather waits for its own. (Not before
@@ -244,7 +244,7 @@ class RootContext:
 def _device_of(states: list["ScheduledUnit"]) -> torch.device:
     for state in states:
         for group in state.groups:
-            return group.compute_device  # not main.device: offloaded main weights live on the host
+            return group.compute_device  # not main.device: main weights may live in host memory
     return torch.device("cpu")
 
 

@@ -103,7 +103,7 @@ def placed_like(value: torch.Tensor, sharded: DTensor, group, index: int,
         chunk = distribute_tensor(value.detach().to(sharded.device), sharded.device_mesh, sharded.placements,
                                   src_data_rank=None).to_local()
     else:
-        chunk = group.buffers.own_chunk_of(value.detach(), index)
+        chunk = group.own_chunk_of(value.detach(), index)
     chunk = chunk.to(device=sharded.device, dtype=dtype)
     return DTensor.from_local(chunk, sharded.device_mesh, sharded.placements, run_check=False,
                               shape=sharded.shape, stride=sharded.stride())

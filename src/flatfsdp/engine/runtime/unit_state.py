@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from flatfsdp.engine.groups.param_group import ParamGroup
+from flatfsdp.engine.groups.group_core import ParamGroupFace
 from flatfsdp.engine.layout.options import ShardOptions
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
 from flatfsdp.engine.runtime.deferred_init import DeferredInit
@@ -34,7 +34,7 @@ class UnitState:
     (``fully_shard([norm, head])``): one set of param groups, gathered when the
     first of them runs and released when the last of them is done."""
 
-    def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], options: ShardOptions,
+    def __init__(self, modules: list[nn.Module], groups: list[ParamGroupFace], options: ShardOptions,
                  deferred: DeferredInit | None = None):
         self._modules = [weakref.ref(m) for m in modules]
         self.groups = groups
@@ -160,7 +160,7 @@ class UnitState:
 
     @property
     def gathered_bytes(self) -> int:
-        return sum(g.buffers.gathered_bytes for g in self.groups)
+        return sum(g.memory().gathered_bytes for g in self.groups)
 
     # ---- forward hooks ------------------------------------------------------------------
 
@@ -274,7 +274,7 @@ class UnitState:
         with record_function(self.label("post_backward")):
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
-                group.gradients.accumulate(self.controls.reduce_scatter_unused_params)
+                group.accumulate_grads(self.controls.reduce_scatter_unused_params)
             if not defer_reduction:
                 self.reduce_accumulated()
             if self.controls.reshard_after_backward:
@@ -286,7 +286,7 @@ class UnitState:
             return
         controls = self.controls
         for group in self.groups:
-            request = group.gradients.reduction_request(self.options.average_grads,
+            request = group.reduction_request(self.options.average_grads,
                                                         controls.gradient_divide_factor, controls.all_reduce_hook,
                                                         all_reduce=controls.requires_all_reduce,
                                                         defer_to_step=not self.options.sync_each_microbatch,
