@@ -19,9 +19,11 @@ class DistributedDataParallelConfig:
     check_for_nan_in_grad: bool = False
     bucket_size: int | None = None
     average_in_collective: bool = False
+    fp8_param_gather: bool = False
     data_parallel_sharding_strategy: str = "no_shard"
     gradient_reduce_div_fusion: bool = True
     suggested_communication_unit_size: int | None = None
+    keep_fp8_transpose_cache: bool = False
     nccl_ub: bool = False
     fsdp_double_buffer: bool = False
     fsdp_all_gather_in_start_param_sync: bool = True

@@ -13,6 +13,7 @@ keys) is unchanged: this is the door for code written against megatron_fsdp.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ def fully_shard_model(module: nn.Module, device_mesh=None, dp_shard_dim=None, dp
     config = DistributedDataParallelConfig(
         data_parallel_sharding_strategy=inner, outer_dp_sharding_strategy=outer,
         overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-        average_in_collective=average_in_collective, nccl_ub=nccl_ub, fsdp_double_buffer=fsdp_double_buffer,
+        average_in_collective=average_in_collective, keep_fp8_transpose_cache=keep_fp8_transpose_cache, nccl_ub=nccl_ub, fsdp_double_buffer=fsdp_double_buffer,
         fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         disable_symmetric_registration=disable_symmetric_registration,
         megatron_fsdp_use_decoupled_grad=use_decoupled_grad, megatron_fsdp_cuda_graph_mode=cuda_graph_mode,
@@ -60,7 +61,6 @@ def fully_shard_model(module: nn.Module, device_mesh=None, dp_shard_dim=None, dp
                         calculate_per_token_loss=calculate_per_token_loss,
                         init_model_with_meta_device=init_model_with_meta_device,
                         sync_model_each_microbatch=sync_model_each_microbatch,
-                        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
                         report_nan_in_param_grad=report_nan_in_param_grad)
 
 
@@ -80,10 +80,19 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
 
 
 def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
-    """``fully_shard_model`` then ``fully_shard_optimizer``: ``(model, optimizer)``.
+    """``fully_shard_model`` then ``fully_shard_optimizer``: ``(model, optimizer)``;
+    ``fully_shard_model``'s parameters follow ``optimizer``, in its order.
     The optimizer keeps its param groups (stock collapses them into one)."""
-    model = fully_shard_model(module, *args, **kwargs)
+    given = _FULLY_SHARD.bind(module, optimizer, *args, **kwargs).arguments
+    given.pop("optimizer")
+    model = fully_shard_model(**given)
     return model, fully_shard_optimizer(optimizer, model=model)
+
+
+_model_parameters = list(inspect.signature(fully_shard_model).parameters.values())
+_FULLY_SHARD = inspect.Signature(_model_parameters[:1] + [inspect.Parameter(
+    "optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.optim.Optimizer)] + _model_parameters[1:])
+fully_shard.__signature__ = _FULLY_SHARD
 
 
 def _strategy_name(value: str | int) -> str:
