@@ -9,7 +9,7 @@ public names, reads its callers' config objects field by field
 engine never imports it.
 
 Modules as in megatron_fsdp: ``megatron_fsdp`` (``MegatronFSDP``),
-``fully_shard``, ``utils`` (``FSDPDistributedIndex``, ``find_megatron_fsdp``,
+``fully_shard``, ``utils`` (``FSDPDistributedIndex`` of ``distributed_index``, ``find_megatron_fsdp``,
 the tensor-parallel readers), ``mixed_precision``,
 ``distributed_data_parallel_config``; and flatfsdp's own ``config_fields``,
 ``model_keys``, ``optimizer_indices``.

@@ -23,7 +23,7 @@ import flatfsdp.engine as engine
 from flatfsdp.megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
 from flatfsdp.megatron_fsdp.megatron_fsdp import MegatronFSDP
 from flatfsdp.megatron_fsdp.optimizer_indices import StockNumbering, has_stock_numbering
-from flatfsdp.megatron_fsdp.utils import FSDPDistributedIndex
+from flatfsdp.megatron_fsdp.distributed_index import FSDPDistributedIndex
 
 
 def fully_shard_model(module: nn.Module, device_mesh=None, dp_shard_dim=None, dp_outer_dim=None, tp_dim=None,

@@ -10,7 +10,7 @@ members (``finish_grad_sync``, ``zero_grad_buffer``, ``param_and_grad_buffer``,
 docs/megatron.md), reached through the wrapper.
 
 Every field of ``ddp_config`` is read through ``config_fields.FIELDS``; the
-index's groups are checked against its mesh (``utils.FSDPDistributedIndex``).
+index's groups are checked against its mesh (``distributed_index.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import flatfsdp.engine as engine
 from flatfsdp.megatron_fsdp.config_fields import keywords_from_config, policy_from_config
 from flatfsdp.megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
 from flatfsdp.megatron_fsdp.model_keys import checked_module_state_dict
-from flatfsdp.megatron_fsdp.utils import FSDPDistributedIndex
+from flatfsdp.megatron_fsdp.distributed_index import FSDPDistributedIndex
 
 DELEGATED = frozenset({
     "param_and_grad_buffer", "no_sync", "sync", "set_model_auto_sync", "get_distributed_index",
