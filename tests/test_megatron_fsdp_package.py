@@ -271,3 +271,47 @@ def test_find_megatron_fsdp_finds_the_wrapper_and_ends_every_walk(checkpoints):
 
 def test_manual_buffer_registration_is_a_no_op(checkpoints):
     assert checkpoints["registration"] is None
+
+
+# --- the redirect: Megatron-Core's bundled megatron_fsdp answered by this package -------------------
+
+REDIRECTED_SCRIPT = """
+import sys
+import megatron.core.distributed.fsdp.src.megatron_fsdp as bundled
+from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import find_megatron_fsdp
+import flatfsdp.megatron_fsdp as ours
+try:
+    import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer
+    missing = "imported"
+except ImportError:
+    missing = "ImportError"
+print(bundled is ours, bundled.MegatronFSDP is ours.MegatronFSDP, find_megatron_fsdp is ours.utils.find_megatron_fsdp,
+      missing, sys.argv[1:])
+"""
+
+
+def test_the_redirect_launcher_answers_megatron_cores_bundled_package_with_this_one(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "megatron" / "core" / "distributed" / "fsdp" / "src"
+    src.mkdir(parents=True)
+    for folder in (src, *src.parents):  # a stand-in for megatron-core's package tree (not a test dependency)
+        if folder == tmp_path:
+            break
+        (folder / "__init__.py").write_text("")
+    (src / "megatron_fsdp").mkdir()
+    (src / "megatron_fsdp" / "__init__.py").write_text("raise RuntimeError('the bundled copy was imported')\n")
+    script = tmp_path / "train.py"
+    script.write_text(REDIRECTED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "flatfsdp.megatron_fsdp.redirect", str(script), "--x", "1"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == "True True True ImportError ['--x', '1']"
+    late = subprocess.run([sys.executable, "-c", "import megatron.core.distributed.fsdp.src as s, sys; "
+                           "sys.modules['megatron.core.distributed.fsdp.src.megatron_fsdp'] = s; "
+                           "import flatfsdp.megatron_fsdp.redirect as r; r.install()"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert late.returncode != 0 and "before anything imports megatron.core" in late.stderr
