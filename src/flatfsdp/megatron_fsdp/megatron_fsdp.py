@@ -69,9 +69,8 @@ class MegatronFSDP(nn.Module):
         engine.fully_shard_model(
             module, device_mesh=dist_index.device_mesh, dp_shard_dim=dist_index.dp_shard_dim,
             dp_outer_dim=dist_index.dp_outer_dim, tp_dim=dist_index.tp_dim,
-            hybrid_fsdp_group=dist_index.hybrid_fsdp_group, hybrid_fsdp_expt_group=dist_index.hybrid_fsdp_expt_group,
-            expt_device_mesh=dist_index.expt_device_mesh, fsdp_group_ag=dist_index.fsdp_group_ag,
-            expt_fsdp_group_ag=dist_index.expt_fsdp_group_ag, fsdp_unit_modules=_present_units(module, fsdp_unit_modules),
+            hybrid_fsdp_group=dist_index.hybrid_fsdp_group, expt_device_mesh=dist_index.expt_device_mesh,
+            fsdp_group_ag=dist_index.fsdp_group_ag, **_expert_groups(dist_index), fsdp_unit_modules=_present_units(module, fsdp_unit_modules),
             device=device, init_model_with_meta_device=init_model_with_meta_device, mixed_precision_policy=policy,
             sync_model_each_microbatch=sync_model_each_microbatch, disable_bucketing=disable_bucketing,
             calculate_per_token_loss=calculate_per_token_loss, **keywords)
@@ -120,6 +119,17 @@ class MegatronFSDP(nn.Module):
         before anything is copied (model_keys.py)."""
         return super().load_state_dict(checked_module_state_dict(self, state_dict, strict), strict=strict,
                                        assign=assign)
+
+
+def _expert_groups(dist_index: Any) -> dict:
+    """The expert parameters' groups, where there are expert parameters: Megatron-Core's
+    adapter passes its expert data-parallel group with HSDP even for a dense model
+    (no ``expt_device_mesh``), and stock keeps it unused; the engine refuses an expert
+    group without expert parameters, so it is passed only beside an expert mesh."""
+    if dist_index.expt_device_mesh is None:
+        return {}
+    return {"hybrid_fsdp_expt_group": dist_index.hybrid_fsdp_expt_group,
+            "expt_fsdp_group_ag": dist_index.expt_fsdp_group_ag}
 
 
 def _world_index(device: torch.device | None) -> FSDPDistributedIndex:
