@@ -129,6 +129,11 @@ def config_worker(rank, world):
     net = Net()
     out["outer"] = (_error(lambda: ours.MegatronFSDP(net, hfsdp, ours.DistributedDataParallelConfig(
         data_parallel_sharding_strategy="optim_grads_params"))), _untouched(net))
+    # Megatron-Core's adapter passes its expert data-parallel group with HSDP even for a dense model.
+    dense = ours.FSDPDistributedIndex(mesh, "shard", "outer", hybrid_fsdp_expt_group=dist.group.WORLD)
+    net = Net()
+    out["dense_expert_group"] = _error(lambda: ours.MegatronFSDP(net, dense, ours.DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params")))
     return out
 
 
@@ -156,6 +161,10 @@ def test_an_index_whose_groups_disagree_with_its_mesh_is_refused_by_name(config_
     error, untouched = config_errors["outer"]
     assert "hsdp_outer_dp_shard=True" in error and "outer_dp_sharding_strategy" in error, error
     assert untouched
+
+
+def test_an_expert_group_beside_a_dense_model_is_carried_unused_as_stock_does(config_errors):
+    assert config_errors["dense_expert_group"] is None
 
 
 # --- checkpoints: another model, no optimizer state, flatfsdp's earlier spelling ------------------
