@@ -247,6 +247,14 @@ def checkpoint_worker(rank, world, tmp):
                     ours.utils.find_megatron_fsdp(flat) is None,  # its .module is itself: the walk ends
                     hasattr(wrapped.module, "module"))
     out["registration"] = wrapped.param_and_grad_buffer.manual_buffer_registration()
+
+    # stock's two-call form: the optimizer built on the wrapper's parameters, the model found from them
+    model = ours.fully_shard_model(Net(seed=6), device_mesh=_mesh((2, 1), ("dp", "tp")), dp_shard_dim="dp",
+                                   tp_dim="tp", fsdp_unit_modules=[nn.Linear])
+    optimizer = ours.fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    before = _local(model)
+    _step(model, optimizer, rank)
+    out["two_calls"] = (sorted(optimizer.state_dict()["state"]), not _same(before, _local(model)))
     return out
 
 
@@ -324,3 +332,7 @@ def test_the_redirect_launcher_answers_megatron_cores_bundled_package_with_this_
                            "import flatfsdp.megatron_fsdp.redirect as r; r.install()"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert late.returncode != 0 and "before anything imports megatron.core" in late.stderr
+
+
+def test_stocks_two_call_form_finds_the_model_and_trains(checkpoints):
+    assert checkpoints["two_calls"] == ([0, 1, 2, 3], True)
