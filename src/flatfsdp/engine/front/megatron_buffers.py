@@ -226,6 +226,11 @@ class ParamAndGradBufferView:
     def scale_gradients(self, scaling_factor: float) -> None:
         self._model.scale_gradients(scaling_factor)
 
+    def manual_buffer_registration(self) -> None:
+        """A no-op: Megatron-FSDP registers its communication buffers with
+        NCCL's user-buffer pool here (``nccl_ub`` with ``fsdp_manual_registration``);
+        flatfsdp allocates no NCCL user buffers, so there is nothing to register."""
+
     def update_main_grads(self) -> None:
         """Hand the reduced gradients to the optimizer: flatfsdp does it when
         they land, so this waits for those in flight."""

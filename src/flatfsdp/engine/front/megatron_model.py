@@ -105,6 +105,17 @@ def adopt_megatron_members(model: nn.Module, given: GivenKeywords, options: Shar
                 param.__fsdp_param__ = FsdpParamMarker(view)
 
 
+def hand_module_to_wrapper(model: nn.Module) -> None:
+    """A wrapper module (``flatfsdp.megatron_fsdp.MegatronFSDP``) holds this
+    one-call-sharded model as its ``.module``: the model stops answering
+    ``.module`` itself (a chain of ``.module`` must end, as Megatron-Core's
+    ``get_attr_wrapped_model`` walks it); every other member stays."""
+    view = model.__dict__.get("_flatfsdp_megatron")
+    if view is None:
+        raise TypeError(f"{type(model).__name__} was not sharded by the one-call form (fully_shard_model)")
+    view._held_by_wrapper = True
+
+
 def megatron_views_of(params) -> list["MegatronView"]:
     """The Megatron views of the models these (sharded) parameters belong to."""
     found: dict[int, MegatronView] = {}
@@ -132,12 +143,23 @@ class MegatronView:
         self._auto_sync = bool(given.sync_model_each_microbatch)
         self._backwards_at_sync = 0
         self._experts = options.expert_mesh is not None
+        self._held_by_wrapper = False  # hand_module_to_wrapper: a MegatronFSDP wrapper answers .module
+
+    @property
+    def sharded_model(self) -> nn.Module:
+        """The model this view belongs to (whatever ``.module`` answers)."""
+        return self._model()
 
     # ---- what the model is --------------------------------------------------------------
 
     @property
     def module(self) -> nn.Module:
-        """The model: flatfsdp shards it in place, so it is its own module."""
+        """The model: flatfsdp shards it in place, so it is its own module --
+        unless a ``MegatronFSDP`` wrapper holds it (``hand_module_to_wrapper``):
+        then the model has no ``.module``, as a stock-wrapped model has none,
+        and Megatron-Core's unwrapping loops stop at it."""
+        if self._held_by_wrapper:
+            raise AttributeError("module: a MegatronFSDP wrapper holds this model; the wrapper's .module is it")
         return self._model()
 
     def states(self) -> list:

@@ -92,7 +92,7 @@ def _model_of(optimizer: torch.optim.Optimizer) -> nn.Module:
             "one-call form (fully_shard(model, fsdp_unit_modules=...) or fully_shard_model)"
         raise TypeError(f"fully_shard_optimizer(optimizer) finds the model from the optimizer's parameters, and "
                         f"this optimizer holds {found}: pass it, fully_shard_optimizer(optimizer, model=model)")
-    return views[0].module
+    return views[0].sharded_model
 
 
 def _model_parameters(model: nn.Module) -> tuple[dict, dict]:

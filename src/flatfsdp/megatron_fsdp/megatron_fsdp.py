@@ -1,0 +1,163 @@
+"""``MegatronFSDP``: the wrapper module Megatron-Core's adapter builds.
+
+``MegatronFSDP(module, dist_index, ddp_config, mixed_precision_policy, ...)``
+takes megatron_fsdp 0.6.1's arguments, shards ``module`` in place with
+``flatfsdp.fully_shard_model`` and holds it as ``.module``, as stock does: the
+wrapper's state-dict keys are ``module.``-prefixed like stock's, and
+Megatron-Core's ``.module`` unwrapping ends at the user's model. Megatron-FSDP's
+members (``finish_grad_sync``, ``zero_grad_buffer``, ``param_and_grad_buffer``,
+``no_sync``, ...) are the sharded model's own (flatfsdp's one-call members,
+docs/megatron.md), reached through the wrapper.
+
+Every field of ``ddp_config`` is read through ``config_fields.FIELDS``; the
+index's groups are checked against its mesh (``distributed_index.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import flatfsdp.engine as engine
+from flatfsdp.megatron_fsdp.config_fields import keywords_from_config, policy_from_config
+from flatfsdp.megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
+from flatfsdp.megatron_fsdp.model_keys import checked_module_state_dict
+from flatfsdp.megatron_fsdp.distributed_index import FSDPDistributedIndex
+
+DELEGATED = frozenset({
+    "param_and_grad_buffer", "no_sync", "sync", "set_model_auto_sync", "get_distributed_index",
+    "mixed_precision_context", "reset_mixed_precision_policy", "start_param_sync", "start_grad_sync",
+    "synchronize_param_gather", "synchronize_gradient_reduce", "attach_grad_to_optimizer_state",
+    "finish_grad_sync", "scale_gradients", "zero_grad_buffer", "install_optimized_model_weights",
+    "broadcast_params", "all_gather_and_wait_parameters_ready"})
+"""Members the sharded model answers (flatfsdp's one-call members) and the wrapper passes on."""
+
+
+class MegatronFSDP(nn.Module):
+    def __init__(self, module: nn.Module, dist_index: FSDPDistributedIndex | None = None,
+                 ddp_config: Any = None, mixed_precision_policy: Any = None,
+                 fsdp_unit_modules: list | None = None, disable_bucketing: bool = False,
+                 device: torch.device | None = None, calculate_per_token_loss: bool = False,
+                 init_model_with_meta_device: bool = False, sync_model_each_microbatch: bool = False,
+                 keep_fp8_transpose_cache: bool = False, nccl_ub: bool = False, fsdp_double_buffer: bool = False,
+                 fsdp_db_use_persist_buf_on_alloc_fail: bool = False, disable_symmetric_registration: bool = False,
+                 enable_fine_grained_param_gather_hook: bool = False,
+                 enable_fine_grained_param_gather_backward_hook: bool = False,
+                 fine_grained_recurse_module_types: tuple | None = None, report_nan_in_param_grad: bool = False):
+        super().__init__()
+        if ddp_config is None:  # megatron_fsdp's default: full sharding, the constructor's switches
+            ddp_config = DistributedDataParallelConfig(
+                data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+                overlap_param_gather=True, keep_fp8_transpose_cache=keep_fp8_transpose_cache, nccl_ub=nccl_ub,
+                fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
+                fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+                disable_symmetric_registration=disable_symmetric_registration)
+        keywords = keywords_from_config(ddp_config)
+        dist_index = dist_index if dist_index is not None else _world_index(device)
+        _check_outer_strategy(dist_index, keywords)
+        policy = mixed_precision_policy if mixed_precision_policy is not None else policy_from_config(ddp_config)
+        keywords["report_nan_in_param_grad"] = bool(keywords["report_nan_in_param_grad"] or report_nan_in_param_grad)
+        # The fine-grained hooks gather sub-modules one by one (MXFP8 recompute, MoE overlap); a unit
+        # is gathered whole here, with the same values (front/keywords.py's no-op of the same name).
+        fine_grained = bool(enable_fine_grained_param_gather_hook or enable_fine_grained_param_gather_backward_hook)
+        keywords["enable_fine_grained_param_gather"] = bool(keywords["enable_fine_grained_param_gather"]
+                                                            or fine_grained)
+        engine.fully_shard_model(
+            module, device_mesh=dist_index.device_mesh, dp_shard_dim=dist_index.dp_shard_dim,
+            dp_outer_dim=dist_index.dp_outer_dim, tp_dim=dist_index.tp_dim,
+            hybrid_fsdp_group=dist_index.hybrid_fsdp_group, expt_device_mesh=dist_index.expt_device_mesh,
+            fsdp_group_ag=dist_index.fsdp_group_ag, **_expert_groups(dist_index), fsdp_unit_modules=_present_units(module, fsdp_unit_modules),
+            device=device, init_model_with_meta_device=init_model_with_meta_device, mixed_precision_policy=policy,
+            sync_model_each_microbatch=sync_model_each_microbatch, disable_bucketing=disable_bucketing,
+            calculate_per_token_loss=calculate_per_token_loss, **keywords)
+        engine.hand_module_to_wrapper(module)
+        self.module = module
+        self.ddp_config = ddp_config  # the config as given: a record (the engine read it once, above)
+        self.dist_index = dist_index
+        self.mp_policy = policy
+        self.device = module.device
+        self.fsdp_unit_modules = module.fsdp_unit_modules
+        self.data_parallel_sharding_strategy = ddp_config.data_parallel_sharding_strategy
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.init_model_with_meta_device = init_model_with_meta_device
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in DELEGATED:
+                return getattr(self._modules["module"], name)
+            raise
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    @property
+    def model_auto_sync(self) -> bool:
+        return self._modules["module"].model_auto_sync
+
+    @model_auto_sync.setter
+    def model_auto_sync(self, value: bool) -> None:
+        self._modules["module"].set_model_auto_sync(value)
+
+    @property
+    def microbatch_count(self) -> int:
+        return self._modules["module"].microbatch_count
+
+    @microbatch_count.setter
+    def microbatch_count(self, value: int) -> None:
+        self._modules["module"].microbatch_count = value
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Keys as this wrapper writes them (``module.``-prefixed, as stock's) or
+        as flatfsdp's one-call model writes them (unprefixed); checked whole
+        against this model first, so a state dict of another model is refused
+        before anything is copied (model_keys.py)."""
+        return super().load_state_dict(checked_module_state_dict(self, state_dict, strict), strict=strict,
+                                       assign=assign)
+
+
+def _expert_groups(dist_index: Any) -> dict:
+    """The expert parameters' groups, where there are expert parameters: Megatron-Core's
+    adapter passes its expert data-parallel group with HSDP even for a dense model
+    (no ``expt_device_mesh``), and stock keeps it unused; the engine refuses an expert
+    group without expert parameters, so it is passed only beside an expert mesh."""
+    if dist_index.expt_device_mesh is None:
+        return {}
+    return {"hybrid_fsdp_expt_group": dist_index.hybrid_fsdp_expt_group,
+            "expt_fsdp_group_ag": dist_index.expt_fsdp_group_ag}
+
+
+def _world_index(device: torch.device | None) -> FSDPDistributedIndex:
+    """megatron_fsdp's default: one data-parallel dimension over every rank."""
+    kind = torch.device(device).type if device is not None else \
+        ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    mesh = init_device_mesh(kind, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    return FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="fsdp")
+
+
+def _check_outer_strategy(dist_index: Any, keywords: dict) -> None:
+    """HFSDP is asked for twice (the index's ``hsdp_outer_dp_shard``, the config's
+    ``outer_dp_sharding_strategy``): the two must agree."""
+    outer = str(keywords.get("outer_dp_sharding_strategy", "no_shard"))
+    index_says = bool(getattr(dist_index, "hsdp_outer_dp_shard", False))
+    if index_says != (outer not in ("no_shard", "0")):
+        raise ValueError(f"dist_index.hsdp_outer_dp_shard={index_says} but ddp_config.outer_dp_sharding_strategy="
+                         f"{outer!r}: they must agree (True with 'optim' for HFSDP, False with 'no_shard')")
+
+
+def _present_units(module: nn.Module, entries: list | None) -> list:
+    """The unit classes of which ``module`` has an instance, as stock reads the
+    list: Megatron-Core names TransformerLayer, MoETransformerLayer and
+    MambaLayer for every model. Import paths stay (the engine resolves them);
+    if no class entry matches at all, all stay, and the engine's error names them."""
+    entries = list(entries or ())
+    classes = [e for e in entries if isinstance(e, type)]
+    present = [c for c in classes if any(isinstance(m, c) for m in module.modules() if m is not module)]
+    if classes and not present:
+        return entries
+    return [e for e in entries if not isinstance(e, type) or e in present]

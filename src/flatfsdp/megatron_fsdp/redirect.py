@@ -1,0 +1,81 @@
+"""Make Megatron-Core use flatfsdp without editing Megatron-LM.
+
+Megatron-Core imports its own bundled copy of megatron_fsdp, under
+``megatron.core.distributed.fsdp.src.megatron_fsdp``. ``install()`` puts a
+finder first on ``sys.meta_path`` that answers that name and its submodules
+with this package (``flatfsdp.megatron_fsdp`` and ``.utils``, ``.fully_shard``,
+...): the very same module objects, so the adapter's ``MegatronFSDP`` *is*
+``flatfsdp.megatron_fsdp.MegatronFSDP``. A submodule this package does not
+have (``param_and_grad_buffer``, ``uneven_dtensor``) is not found, and
+Megatron-Core's optional imports of it fall back as without megatron_fsdp.
+
+It must run before anything imports ``megatron.core``. Two ways, both without
+editing Megatron-LM (docs/megatron.md):
+
+* as the launcher: ``torchrun --nproc_per_node 8 -m flatfsdp.megatron_fsdp.redirect
+  pretrain_gpt.py --use-megatron-fsdp ...`` (or ``python -m ...``): installs, then
+  runs the script as ``__main__`` with its arguments;
+* from a ``sitecustomize.py`` on ``PYTHONPATH``: ``import
+  flatfsdp.megatron_fsdp.redirect as r; r.install()``.
+
+The finder is process-wide by nature (an import hook); it is installed only
+when asked, never at import of flatfsdp, and ``install()`` twice is once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import runpy
+import sys
+
+BUNDLED = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+PROVIDER = "flatfsdp.megatron_fsdp"
+
+
+class BundledToFlatfsdp(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers ``BUNDLED[.sub]`` with the already-imported ``PROVIDER[.sub]``."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != BUNDLED and not fullname.startswith(BUNDLED + "."):
+            return None
+        real = PROVIDER + fullname[len(BUNDLED):]
+        if importlib.util.find_spec(real) is None:
+            return None  # not provided here; the parent's __path__ is flatfsdp's, so the import fails cleanly
+        return importlib.util.spec_from_loader(fullname, self, is_package=fullname == BUNDLED)
+
+    def create_module(self, spec):
+        return importlib.import_module(PROVIDER + spec.name[len(BUNDLED):])
+
+    def exec_module(self, module) -> None:
+        # The module ran when flatfsdp imported it; keep its own spec (importlib set the alias's).
+        real = sys.modules[module.__name__]
+        module.__spec__ = real.__spec__
+
+
+def install() -> None:
+    """Answer Megatron-Core's bundled megatron_fsdp with flatfsdp from now on."""
+    if any(isinstance(f, BundledToFlatfsdp) for f in sys.meta_path):
+        return
+    if BUNDLED in sys.modules:
+        raise RuntimeError(f"{BUNDLED} was imported before flatfsdp.megatron_fsdp.redirect.install(): call it "
+                           "before anything imports megatron.core (first in sitecustomize, or as the launcher)")
+    sys.meta_path.insert(0, BundledToFlatfsdp())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m flatfsdp.megatron_fsdp.redirect SCRIPT [ARGS...]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m flatfsdp.megatron_fsdp.redirect SCRIPT [ARGS...]  (or torchrun ... -m "
+              "flatfsdp.megatron_fsdp.redirect SCRIPT ...): run SCRIPT with Megatron-Core's megatron_fsdp "
+              "answered by flatfsdp")
+        raise SystemExit(0 if argv else 2)
+    install()
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
