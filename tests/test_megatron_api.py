@@ -18,7 +18,7 @@ from torch.nn.functional import mse_loss
 import flatfsdp
 from flatfsdp.engine.front import keyword_table, keywords
 from flatfsdp.engine.front.keyword_table import EVERY, MEGATRON, GivenKeywords, Keyword
-from flatfsdp.engine.front.megatron_buffers import DDPConfig
+from flatfsdp.engine.front.megatron_buffers import DistributedDataParallelConfig
 from flatfsdp.engine.layout.precision import resolve_policy
 from harness import run_ranks
 
@@ -80,11 +80,14 @@ def test_every_options_field_is_mapped_or_a_keyword_of_that_name():
 
 
 def test_ddp_config_is_checked_against_the_table():
-    fields = {f.name: f for f in dataclasses.fields(DDPConfig)}
+    """One class: megatron_fsdp 0.6.1's fields and defaults; every keyword's
+    ``ddp_field`` is one of them (the values a call sets: the positional test)."""
+    stock = pytest.importorskip("megatron_fsdp").DistributedDataParallelConfig
+    fields = {f.name: f.default for f in dataclasses.fields(DistributedDataParallelConfig)}
+    assert fields == {f.name: f.default for f in dataclasses.fields(stock)}
     for k in MEGATRON:
         if k.ddp_field is not None:
             assert k.ddp_field in fields, k.name
-            assert fields[k.ddp_field].default == k.default, k.name
 
 
 def _documented_rows() -> list[tuple[list[str], str]]:
@@ -219,7 +222,9 @@ def positional_worker(rank, world):
     optimizer = flatfsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), False)
     state = model._flatfsdp_state
     out = {"bucket_bytes": state.options.bucket_bytes, "on_nonfinite": state.controls.on_nonfinite,
-           "strategy": model.ddp_config.data_parallel_sharding_strategy, "policy": model.mp_policy is policy}
+           "strategy": model.ddp_config.data_parallel_sharding_strategy, "policy": model.mp_policy is policy,
+           "as_given": {name: getattr(model.ddp_config, name) for name in (
+               "overlap_grad_reduce", "check_for_nan_in_grad", "nccl_ub", "fsdp_manual_registration")}}
     buffers = model.param_and_grad_buffer.parameter_groups
     out["dtypes"] = (buffers[0].main_weight_buffer.data.dtype, buffers[0].main_grad_buffer.data.dtype)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
@@ -250,6 +255,9 @@ def test_every_megatron_keyword_by_position_on_two_ranks():
         assert out["bucket_bytes"] == 0  # disable_bucketing
         assert out["on_nonfinite"] == "error"  # report_nan_in_param_grad
         assert out["strategy"] == "optim_grads" and out["policy"]
+        # ddp_config records the keywords as given (the last was never a keyword: its class default)
+        assert out["as_given"] == dict(overlap_grad_reduce=False, check_for_nan_in_grad=True, nccl_ub=True,
+                                       fsdp_manual_registration=False)
         assert out["dtypes"] == (torch.float64, torch.float32)  # main weights fp64, main grads fp32
         assert out["grad_dtype"] == torch.float64  # the optimizer reads them cast to the main weights' dtype
         assert out["nan"].startswith("step 2: gradients are NaN/inf in '0.fc.weight'"), out["nan"]

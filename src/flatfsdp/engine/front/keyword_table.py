@@ -5,7 +5,7 @@ The doors' signatures are made from these tables (``Door``), so Megatron-FSDP's
 positional order, its defaults and flatfsdp's keyword-only extras cannot
 drift apart; a call's keywords arrive as one frozen ``GivenKeywords`` record,
 where a name that is not a keyword is an ``AttributeError`` naming it, never
-a silent None. ``ddp_config`` (front/megatron_buffers.DDPConfig) and
+a silent None. ``ddp_config`` (front/megatron_buffers.DistributedDataParallelConfig) and
 docs/megatron.md's table are checked against the same tables
 (tests/test_megatron_api.py).
 """
@@ -31,7 +31,7 @@ class Keyword:
     no_op: str = ""
     """Why it changes nothing here ("" when it is read)."""
     ddp_field: str | None = None
-    """The ``DistributedDataParallelConfig`` field it sets as given (megatron_buffers.DDPConfig), if any."""
+    """The ``DistributedDataParallelConfig`` field it sets as given (megatron_buffers.DistributedDataParallelConfig), if any."""
 
     def __post_init__(self) -> None:
         if bool(self.reads) == bool(self.no_op):

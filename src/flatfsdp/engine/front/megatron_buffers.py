@@ -30,26 +30,32 @@ _STRATEGY_NAMES = {ShardingStrategy.NO_SHARD: "no_shard", ShardingStrategy.OPTIM
 
 
 @dataclasses.dataclass
-class DDPConfig:
-    """Megatron-FSDP's ``DistributedDataParallelConfig`` fields, as the front
-    door's keywords set them. A record of what was asked: the engine read
-    the keywords once (front/keywords.py), so changing a field here changes
-    nothing (as in Megatron-FSDP, which reads its config at construction).
-    A field a keyword sets as given is that keyword's ``ddp_field`` in
-    front/keyword_table, with the keyword's default (a test holds the two
-    together)."""
+class DistributedDataParallelConfig:
+    """Megatron-FSDP's ``DistributedDataParallelConfig``: 0.6.1's fields and
+    defaults (a test holds them to the installed megatron_fsdp's), the one
+    class of its name in flatfsdp -- ``flatfsdp.megatron_fsdp`` exports it.
 
-    data_parallel_sharding_strategy: str = "optim_grads_params"
-    outer_dp_sharding_strategy: str = "no_shard"
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
+    On a one-call model (``ddp_config``) it is a record of what was asked,
+    made by ``from_keywords``: the engine read the keywords once
+    (front/keywords.py), so changing a field there changes nothing, as in
+    Megatron-FSDP, which reads its config at construction. A field a keyword
+    sets as given is that keyword's ``ddp_field`` in front/keyword_table."""
+
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     check_for_nan_in_grad: bool = False
     bucket_size: int | None = None
     average_in_collective: bool = False
+    fp8_param_gather: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: int | None = None
     keep_fp8_transpose_cache: bool = False
     nccl_ub: bool = False
     fsdp_double_buffer: bool = False
+    fsdp_all_gather_in_start_param_sync: bool = True
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    outer_dp_sharding_strategy: str = "no_shard"
     disable_symmetric_registration: bool = False
     fsdp_manual_registration: bool = False
     megatron_fsdp_main_params_dtype: torch.dtype | None = torch.float32
@@ -59,10 +65,9 @@ class DDPConfig:
     megatron_fsdp_cuda_graph_mode: bool = False
     megatron_fsdp_enable_fine_grained_param_gather: bool = False
     megatron_fsdp_max_pool_double_buffer: bool = False
-    use_megatron_fsdp: bool = True
 
     @classmethod
-    def from_keywords(cls, given: GivenKeywords, options: ShardOptions) -> "DDPConfig":
+    def from_keywords(cls, given: GivenKeywords, options: ShardOptions) -> "DistributedDataParallelConfig":
         """The fields the engine's reading decides, then those each keyword
         sets as given (keyword_table's ``ddp_field``)."""
         policy = options.policy

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 from torch import nn
 
 from flatfsdp.engine.front.keyword_table import GivenKeywords
-from flatfsdp.engine.front.megatron_buffers import DDPConfig, DistributedIndex, ParamAndGradBufferView
+from flatfsdp.engine.front.megatron_buffers import DistributedDataParallelConfig, DistributedIndex, ParamAndGradBufferView
 from flatfsdp.engine.front.shard_unit import is_expert
 from flatfsdp.engine.layout.mesh import mesh_device
 from flatfsdp.engine.layout.options import ShardOptions
@@ -132,7 +132,7 @@ class MegatronView:
 
     def __init__(self, model: nn.Module, given: GivenKeywords, options: ShardOptions, classes: tuple):
         self._model = weakref.ref(model)
-        self.ddp_config = DDPConfig.from_keywords(given, options)
+        self.ddp_config = DistributedDataParallelConfig.from_keywords(given, options)
         self.dist_index = DistributedIndex(given, options)
         self.device = mesh_device(options.mesh.shard)
         self.fsdp_unit_modules = list(classes)
