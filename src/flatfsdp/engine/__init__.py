@@ -22,7 +22,7 @@ from flatfsdp.engine.front.memory import (allocated_buffer_bytes, held_tensors, 
                                           persistent_bytes_by_role, resizable_buffers)
 from flatfsdp.engine.front.optimizer import fully_shard_optimizer
 from flatfsdp.engine.front.megatron_model import hand_module_to_wrapper
-from flatfsdp.engine.front.megatron_buffers import DistributedDataParallelConfig
+from flatfsdp.engine.front.megatron_buffers import DistributedDataParallelConfig, DistributedIndexGroups
 from flatfsdp.engine.front.finite_check import set_on_nonfinite
 from flatfsdp.engine.runtime.nonfinite_flag import MODE_ENV as NONFINITE_ENV, NonFiniteWarning
 
@@ -38,5 +38,5 @@ __all__ = [
     # for applications (checkpoint staging): where host copies of device tensors go
     "copy_to_host",
     # for flatfsdp.megatron_fsdp (the package shaped like megatron_fsdp): its MegatronFSDP wraps the model
-    "hand_module_to_wrapper", "DistributedDataParallelConfig",
+    "hand_module_to_wrapper", "DistributedDataParallelConfig", "DistributedIndexGroups",
 ]

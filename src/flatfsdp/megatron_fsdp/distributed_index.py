@@ -16,8 +16,10 @@ from typing import Any, Sequence
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from flatfsdp.engine import DistributedIndexGroups
 
-class FSDPDistributedIndex:
+
+class FSDPDistributedIndex(DistributedIndexGroups):
     """megatron_fsdp 0.6.1's constructor; the groups are the mesh's."""
 
     def __init__(self, device_mesh: DeviceMesh, dp_shard_dim: str | None = None, dp_outer_dim: str | None = None,
@@ -61,26 +63,6 @@ class FSDPDistributedIndex:
         if mesh is None or not set(names) <= set(mesh.mesh_dim_names or ()):
             raise ValueError(f"FSDPDistributedIndex: no sub-mesh {names} (expert={is_expert_parallel}) in {mesh}")
         return mesh[names if len(names) > 1 else names[0]]
-
-    def get_dp_group(self, is_expert_parallel: bool = False) -> dist.ProcessGroup | None:
-        """Every data-parallel rank: the hybrid group with an outer dimension."""
-        if is_expert_parallel:
-            return self.hybrid_fsdp_expt_group if self.use_hybrid_fsdp else self.expt_fsdp_group
-        return self.hybrid_fsdp_group if self.use_hybrid_fsdp else self.fsdp_group
-
-    def get_fsdp_group(self, is_expert_parallel: bool = False, independent_all_gather: bool = False):
-        """The ranks a parameter's chunks are split over."""
-        if is_expert_parallel:
-            return self.expt_fsdp_group_ag if independent_all_gather else self.expt_fsdp_group
-        return self.fsdp_group_ag if independent_all_gather else self.fsdp_group
-
-    def get_outer_fsdp_group(self, is_expert_parallel: bool = False):
-        if not self.use_hybrid_fsdp:
-            return None
-        return self.expt_outer_fsdp_group if is_expert_parallel else self.outer_fsdp_group
-
-    def get_root_mesh(self, is_expert_parallel: bool = False) -> DeviceMesh | None:
-        return self.expt_device_mesh if is_expert_parallel else self.device_mesh
 
 
 def _mesh_ranks(mesh: DeviceMesh, dims: tuple[str, ...]) -> list[int]:

@@ -81,7 +81,33 @@ class DistributedDataParallelConfig:
             megatron_fsdp_grad_comm_dtype=policy.reduce_dtype, **as_given)
 
 
-class DistributedIndex:
+class DistributedIndexGroups:
+    """The questions Megatron-LM asks of an ``FSDPDistributedIndex``, over
+    the groups it holds: shared by the one-call model's index (below) and
+    flatfsdp.megatron_fsdp's constructor-facing one."""
+
+    def get_dp_group(self, is_expert_parallel: bool = False):
+        """Every data-parallel rank (the hybrid group with HSDP)."""
+        if is_expert_parallel:
+            return self.hybrid_fsdp_expt_group if self.use_hybrid_fsdp else self.expt_fsdp_group
+        return self.hybrid_fsdp_group if self.use_hybrid_fsdp else self.fsdp_group
+
+    def get_fsdp_group(self, is_expert_parallel: bool = False, independent_all_gather: bool = False):
+        """The ranks a parameter's chunks are split over."""
+        if is_expert_parallel:
+            return self.expt_fsdp_group_ag if independent_all_gather else self.expt_fsdp_group
+        return self.fsdp_group_ag if independent_all_gather else self.fsdp_group
+
+    def get_outer_fsdp_group(self, is_expert_parallel: bool = False):
+        if not self.use_hybrid_fsdp:
+            return None
+        return self.expt_outer_fsdp_group if is_expert_parallel else self.outer_fsdp_group
+
+    def get_root_mesh(self, is_expert_parallel: bool = False):
+        return self.expt_device_mesh if is_expert_parallel else self.device_mesh
+
+
+class DistributedIndex(DistributedIndexGroups):
     """Megatron-FSDP's ``FSDPDistributedIndex``: the meshes and process groups
     the model is sharded and reduced over."""
 
@@ -113,27 +139,6 @@ class DistributedIndex:
         if self._hybrid_fsdp_group is None:
             self._hybrid_fsdp_group = self.fsdp_group if not self.use_hybrid_fsdp else _flat_group(self._spmd)
         return self._hybrid_fsdp_group
-
-    def get_dp_group(self, is_expert_parallel: bool = False):
-        """Every data-parallel rank (the hybrid group with HSDP)."""
-        if is_expert_parallel:
-            return self.hybrid_fsdp_expt_group if self.use_hybrid_fsdp else self.expt_fsdp_group
-        return self.hybrid_fsdp_group if self.use_hybrid_fsdp else self.fsdp_group
-
-    def get_fsdp_group(self, is_expert_parallel: bool = False, independent_all_gather: bool = False):
-        """The ranks a parameter's chunks are split over."""
-        if is_expert_parallel:
-            return self.expt_fsdp_group_ag if independent_all_gather else self.expt_fsdp_group
-        return self.fsdp_group_ag if independent_all_gather else self.fsdp_group
-
-    def get_outer_fsdp_group(self, is_expert_parallel: bool = False):
-        if not self.use_hybrid_fsdp:
-            return None
-        return self.expt_outer_fsdp_group if is_expert_parallel else self.outer_fsdp_group
-
-    def get_root_mesh(self, is_expert_parallel: bool = False):
-        return self.expt_device_mesh if is_expert_parallel else self.device_mesh
-
 
 def _flat_group(mesh):
     """The process group of every rank of a 2-D (outer, shard) mesh (made
