@@ -76,6 +76,23 @@ def test_the_helpers_megatron_core_imports_answer_as_stocks():
         assert stock_utils.get_mcore_tensor_parallel_partition_dim(param) == dim
 
 
+def test_the_global_memory_buffer_hands_one_storage_out_per_name_and_grows_it():
+    import megatron_fsdp.utils as stock_utils
+
+    from flatfsdp.megatron_fsdp.utils import GlobalMemoryBuffer
+
+    assert _parameters(GlobalMemoryBuffer.get_tensor) == _parameters(stock_utils.GlobalMemoryBuffer.get_tensor)
+    buffers = GlobalMemoryBuffer()
+    assert buffers.device == torch.device("cpu")  # no accelerator here: the CPU, never torch.cuda by name
+    first = buffers.get_tensor((2, 3), torch.float32, "a")
+    again = buffers.get_tensor((3,), torch.float32, "a")
+    assert again.data_ptr() == first.data_ptr() and first.shape == (2, 3) and again.shape == (3,)
+    assert buffers.get_tensor((2, 3), torch.float32, "b").data_ptr() != first.data_ptr()  # names kept apart
+    assert buffers.get_tensor((2, 3), torch.bfloat16, "a").dtype == torch.bfloat16  # and dtypes
+    grown = buffers.get_tensor((4, 4), torch.float32, "a")
+    assert grown.shape == (4, 4) and buffers.buffer[("a", torch.float32)].numel() == 16
+
+
 # --- on two ranks -------------------------------------------------------------------------------
 
 class Net(nn.Module):

@@ -1,6 +1,7 @@
 """The helpers Megatron-Core imports from ``megatron_fsdp.utils``:
 ``FSDPDistributedIndex`` (distributed_index.py), ``find_megatron_fsdp`` and
-the tensor-parallel attribute readers of its checkpoint code.
+the tensor-parallel attribute readers of its checkpoint code; and
+``GlobalMemoryBuffer`` (memory_buffer.py), a public helper of that module.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from torch import nn
 
 from flatfsdp.megatron_fsdp.distributed_index import FSDPDistributedIndex
 from flatfsdp.megatron_fsdp.megatron_fsdp import MegatronFSDP
+from flatfsdp.megatron_fsdp.memory_buffer import GlobalMemoryBuffer
 
-__all__ = ["FSDPDistributedIndex", "find_megatron_fsdp", "get_mcore_tensor_parallel_partition_dim",
+__all__ = ["FSDPDistributedIndex", "GlobalMemoryBuffer", "find_megatron_fsdp", "get_mcore_tensor_parallel_partition_dim",
            "is_mcore_tensor_model_parallel", "is_mcore_tensor_parallel_duplicated"]
 
 
