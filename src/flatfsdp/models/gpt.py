@@ -35,7 +35,8 @@ class GPTConfig:
     d_model: int = 64
     """Width of the residual stream."""
     tie_embeddings: bool = True
-    """Share the token embedding with the output projection."""
+    """Share the token embedding with the output projection. Untied, the two
+    tables can be sharding units of their own (see ``embedding_units``)."""
     recompute: str = "none"
     """Activation recompute per block: "none", "reentrant" or "non_reentrant"
     (torch.utils.checkpoint), trading compute for activation memory."""
@@ -70,6 +71,29 @@ class GPTEmbedding(nn.Embedding):
         if grad_handoff is None:
             return super().forward(idx)
         return embedding_with_handoff(idx, self.weight, grad_handoff)
+
+
+class TokenEmbedding(GPTEmbedding):
+    """The token table: its own class, so a wrapping policy can make it a
+    sharding unit apart from the (small) position table."""
+
+
+class OutputHead(GPTLinear):
+    """The output projection. Given ``targets`` it returns the chunked loss
+    instead of logits; either way the head is *called*, never reached into for
+    its weight, so a sharding unit around it sees its forward and backward:
+    its weights can be gathered ahead of use (it runs last in forward) and
+    its gradient reduced as soon as backward has it (it runs first there)."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean",
+                weight_grad_handoff: WeightGradHandoff | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return chunked_cross_entropy(x, self.weight, targets, reduction=reduction,
+                                     weight_grad_handoff=weight_grad_handoff)
 
 
 def residual_std(n_layer: int) -> float:
@@ -144,11 +168,11 @@ class GPT(nn.Module):
         if config.recompute not in ("none", "reentrant", "non_reentrant"):
             raise ValueError(f"recompute must be none, reentrant or non_reentrant, got {config.recompute!r}")
         self.config = config
-        self.tok_emb = GPTEmbedding(config.vocab_size, config.d_model)
+        self.tok_emb = TokenEmbedding(config.vocab_size, config.d_model)
         self.pos_emb = GPTEmbedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
-        self.lm_head = GPTLinear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = OutputHead(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
@@ -168,12 +192,20 @@ class GPT(nn.Module):
                 x = block(x)
             else:
                 x = checkpoint(block, x, use_reentrant=self.config.recompute == "reentrant")
-        if targets is None:
-            return self.lm_head(self.ln_f(x))
-        return chunked_cross_entropy(self.ln_f(x), self.lm_head.weight, targets, reduction=reduction,
-                                     weight_grad_handoff=handoff)
+        return self.lm_head(self.ln_f(x), targets, reduction=reduction, weight_grad_handoff=handoff)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Next-token cross entropy in fp32, whatever the compute dtype."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+
+
+def embedding_units(model: GPT) -> list[nn.Module]:
+    """The token table and the output head, where each may be a sharding unit
+    of its own: untied only (a tied weight is one parameter, owned by one unit,
+    the root). Apart from the root, the head is gathered while the blocks run
+    and its gradient reduced at the start of backward, not with the root at
+    the end; the root keeps only the position table and the final norm."""
+    if model.lm_head.weight is model.tok_emb.weight:
+        return []
+    return [model.tok_emb, model.lm_head]

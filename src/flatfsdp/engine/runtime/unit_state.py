@@ -262,7 +262,8 @@ class UnitState:
                 if self.controls.unshard_in_backward:
                     self._unshard_now()
                 explicit = self.controls.backward_prefetch
-                self._prefetch(self.context.previous_in_forward(self) if explicit is None else explicit)
+                self._prefetch(_needing_weights_in_backward(self.context.previous_in_forward(self))
+                               if explicit is None else explicit)
         return grad
 
     def needs_post_backward(self) -> bool:
@@ -321,6 +322,13 @@ class UnitState:
         for state in states:
             state.context = context
         return context
+
+
+def _needing_weights_in_backward(states: list[UnitState]) -> list[UnitState]:
+    """Backward prefetch skips a unit whose backward needs no weights
+    (``set_unshard_in_backward(False)``: an embedding lookup's gradient is the
+    incoming gradient scattered into rows); gathering it would only move bytes."""
+    return [s for s in states if s.controls.unshard_in_backward]
 
 
 def unit_states(*modules: nn.Module) -> list[UnitState]:

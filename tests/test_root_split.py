@@ -1,0 +1,164 @@
+"""The root does not stall the link (issue 46, outcome 1): an untied GPT's token
+table and output head are sharding units of their own. The head, last in
+forward, is gathered while the blocks run and its gradient reduced first in
+backward; the token table's last; the root keeps only the position table and
+the final norm. Same arithmetic as one root lump: the same losses, bit for bit,
+and the same bytes; tied weights keep the root lump (one parameter, one unit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import flatfsdp
+from flatfsdp.bench.workload import schedule_embedding_units
+from flatfsdp.models.gpt import GPT, TransformerBlock, embedding_units
+from harness import run_ranks
+from training import CFG, batches, full_params, global_mean, local_slice, make_optimizer, max_diff
+
+STEPS = 3
+
+
+def _model(tied: bool) -> GPT:
+    torch.manual_seed(0)
+    return GPT(dataclasses.replace(CFG, tie_embeddings=tied))
+
+
+def _reference(tied: bool, data: list) -> tuple[list, dict]:
+    """Unsharded, on the global batch, the loss the bench trains (model(x, targets))."""
+    model = _model(tied)
+    opt = make_optimizer("adamw", model.named_parameters())
+    losses = []
+    for x in data:
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _one_call(tied: bool, split: bool, strategy: str):
+    model = _model(tied)
+    opt = make_optimizer("adamw", model.named_parameters())
+    units = [TransformerBlock] + ([type(m) for m in embedding_units(model)] if split else [])
+    model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, zero_dp_strategy=strategy)
+    if split:
+        schedule_embedding_units(model)
+    return model, opt
+
+
+def _per_module(tied: bool, split: bool, strategy: str):
+    model = _model(tied)
+    for unit in list(model.blocks) + (embedding_units(model) if split else []):
+        flatfsdp.fully_shard(unit)
+    flatfsdp.fully_shard(model)
+    if split:
+        schedule_embedding_units(model)
+    return model, make_optimizer("adamw", model.named_parameters())
+
+
+def _train(model, opt, rank: int, world: int, data: list) -> dict:
+    """Losses, and for the last step: its communication account, the unit
+    collectives in issue order, and whether the head was gathered when the
+    last block began its forward."""
+    state = model._flatfsdp_state
+    seen = {}
+    model.blocks[-1].register_forward_pre_hook(
+        lambda m, args: seen.__setitem__("head_gathered", model.lm_head._flatfsdp_state.is_gathered
+                                         if "_flatfsdp_state" in model.lm_head.__dict__ else None))
+    losses = []
+    for x in data:
+        flatfsdp.comm_account().reset()
+        x = local_slice(x, rank, world)
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        events = state.context.schedule.recorded()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+    root_numel = sum(p.numel() for g in state.groups for p in g.params)
+    return dict(losses=losses, comm=flatfsdp.comm_account().snapshot(), events=events,
+                head_gathered=seen["head_gathered"], root_numel=root_numel, params=full_params(model))
+
+
+def split_worker(rank, world):
+    os.environ["FLATFSDP_CHECK_SCHEDULE"] = "1"  # records the unit collectives' order
+    out = {}
+    for tied in (False, True):
+        data = batches(STEPS)
+        ref_losses, ref_params = _reference(tied, data)
+        out["reference", tied] = ref_losses
+        runs = [("one_call", split, tied, s) for split in (False, True) for s in ("optim_grads_params", "optim")]
+        runs.append(("per_module", True, tied, "optim_grads_params"))
+        for door, split, _, strategy in runs:
+            build = _one_call if door == "one_call" else _per_module
+            result = _train(*build(tied, split, strategy), rank, world, data)
+            result["param_diff"] = max_diff(result.pop("params"), ref_params)
+            out[door, split, tied, strategy] = result
+    out["numel"] = {n: p.numel() for n, p in _model(False).named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(split_worker, 2)
+
+
+def _reductions(events) -> list[str]:
+    return [e.split("'")[1] for e in events if e.startswith("the gradient reduction")]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("door", ["one_call", "per_module"])
+def test_losses_match_the_unsharded_reference_and_the_root_lump(results, tied, door):
+    lump = results[0]["one_call", False, tied, "optim_grads_params"]
+    for strategy in (("optim_grads_params", "optim") if door == "one_call" else ("optim_grads_params",)):
+        split = results[0][door, True, tied, strategy]
+        ref = results[0]["reference", tied]
+        assert max(abs(a - b) for a, b in zip(split["losses"], ref)) < 1e-5
+        assert split["param_diff"] < 1e-5
+        # Each element is summed over the same two ranks in either layout: exact.
+        assert split["losses"] == results[0]["one_call", False, tied, strategy]["losses"]
+    assert lump["losses"] == results[0][door, True, tied, "optim_grads_params"]["losses"]
+
+
+@pytest.mark.parametrize("door", ["one_call", "per_module"])
+def test_untied_head_is_reduced_first_and_token_table_last(results, door):
+    for rank in results:
+        events = rank[door, True, False, "optim_grads_params"]["events"]
+        reductions = _reductions(events)
+        assert reductions[0] == "lm_head", reductions
+        assert reductions[-2:] == ["tok_emb", "<root>"], reductions
+        assert all(r.startswith("blocks.") for r in reductions[1:-2]), reductions
+        gathers = [e.split("'")[1] for e in events if e.startswith("the forward gather")]
+        assert gathers == ["<root>", "tok_emb", "blocks.0", "blocks.1", "lm_head"], gathers
+
+
+@pytest.mark.parametrize("door", ["one_call", "per_module"])
+def test_untied_head_is_gathered_before_the_last_block_runs(results, door):
+    for rank in results:
+        assert rank[door, True, False, "optim_grads_params"]["head_gathered"] is True
+
+
+def test_root_keeps_only_the_position_table_and_final_norm(results):
+    numel = results[0]["numel"]
+    small = numel["pos_emb.weight"] + numel["ln_f.weight"] + numel["ln_f.bias"]
+    big = numel["tok_emb.weight"] + numel["lm_head.weight"]
+    for door in ("one_call", "per_module"):
+        assert results[0][door, True, False, "optim_grads_params"]["root_numel"] == small
+        # Tied: one parameter, so the root keeps it (and the lookup/head split does not apply).
+        assert results[0][door, True, True, "optim_grads_params"]["root_numel"] == small + numel["tok_emb.weight"]
+    assert results[0]["one_call", False, False, "optim_grads_params"]["root_numel"] == small + big
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
+def test_split_moves_the_same_bytes_as_the_root_lump(results, strategy):
+    for rank in results:
+        lump, split = (rank["one_call", s, False, strategy]["comm"] for s in (False, True))
+        assert {k: v["bytes"] for k, v in split.items()} == {k: v["bytes"] for k, v in lump.items()}
+        assert sum(v["count"] for v in split.values()) > sum(v["count"] for v in lump.values())
