@@ -164,3 +164,48 @@ def test_split_moves_the_same_bytes_as_the_root_lump(results, strategy):
         lump, split = (rank["one_call", s, False, strategy]["comm"] for s in (False, True))
         assert {k: v["bytes"] for k, v in split.items()} == {k: v["bytes"] for k, v in lump.items()}
         assert sum(v["count"] for v in split.values()) > sum(v["count"] for v in lump.values())
+
+
+def _options(name: str) -> dict:
+    if name == "hsdp":  # two replicas of one shard: the outer all-reduce path
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp_outer", "dp_shard"))
+        return dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                    outer_dp_sharding_strategy="no_shard")
+    if name == "int8":
+        return dict(param_gather_dtype="int8")
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    return dict(offload_policy=CPUOffloadPolicy())
+
+
+def other_paths_worker(rank, world):
+    out = {}
+    for name in ("hsdp", "int8", "offload"):
+        for split in (False, True):
+            model = _model(False)
+            opt = make_optimizer("adamw", model.named_parameters())
+            units = [TransformerBlock] + ([type(m) for m in embedding_units(model)] if split else [])
+            model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, **_options(name))
+            if split:
+                schedule_embedding_units(model)
+            losses = []
+            for x in batches(STEPS):
+                x = local_slice(x, rank, world)
+                loss = model(x[:, :-1], x[:, 1:])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(global_mean(loss))
+            out[name, split] = losses, full_params(model)
+    return out
+
+
+def test_split_matches_the_lump_under_hsdp_int8_gathers_and_offload():
+    """The embedding units are ordinary units: whatever path the root lump
+    took (HSDP's outer all-reduce, block-scaled int8 gathers, main weights in
+    host memory), the split takes it too, with the same numbers."""
+    out = run_ranks(other_paths_worker, 2)[0]
+    for name in ("hsdp", "int8", "offload"):
+        (lump_losses, lump_params), (split_losses, split_params) = out[name, False], out[name, True]
+        assert split_losses == lump_losses, name
+        assert max_diff(split_params, lump_params) == 0.0, name
