@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import flatfsdp
-from flatfsdp.bench.workload import schedule_embedding_units
-from flatfsdp.models.gpt import GPT, TransformerBlock, embedding_units
+from flatfsdp.bench.workload import embedding_units, schedule_embedding_units
+from flatfsdp.models.gpt import GPT, TransformerBlock
 from harness import run_ranks
 from training import CFG, batches, full_params, global_mean, local_slice, make_optimizer, max_diff
 

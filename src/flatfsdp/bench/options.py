@@ -59,7 +59,7 @@ class BenchConfig:
     """Token ids; the output projection is tied to the embedding unless ``untied``."""
     untied: bool = False
     """The GPT's output projection has a weight of its own; the token table
-    and the head are then FSDP units of their own (models/gpt.py, embedding_units)."""
+    and the head are then FSDP units of their own (bench/workload.py, embedding_units)."""
     context: int = 256
     """Rows of the position table, fixed so both presets train the same model."""
     seq_len: int = 256

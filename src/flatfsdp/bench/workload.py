@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flatfsdp.bench.options import BenchConfig
-from flatfsdp.models.gpt import GPT, GPTConfig, embedding_units
+from flatfsdp.models.gpt import GPT, GPTConfig
 from flatfsdp.models.llama import Llama, LlamaConfig
 
 
@@ -33,6 +33,17 @@ def build_model(cfg: BenchConfig) -> nn.Module:
     says otherwise). Its units are ``unit_modules(model)``."""
     torch.manual_seed(cfg.seed)
     return Llama(llama_config(cfg)) if cfg.model == "llama" else GPT(gpt_config(cfg))
+
+
+def embedding_units(model: GPT) -> list[nn.Module]:
+    """The token table and the output head, where each may be a sharding unit
+    of its own: untied only (a tied weight is one parameter, owned by one unit,
+    the root). Apart from the root, the head is gathered while the blocks run
+    and its gradient reduced at the start of backward, not with the root at
+    the end; the root keeps only the position table and the final norm."""
+    if model.lm_head.weight is model.tok_emb.weight:
+        return []
+    return [model.tok_emb, model.lm_head]
 
 
 def unit_modules(model: nn.Module) -> list[nn.Module]:

@@ -35,8 +35,7 @@ class GPTConfig:
     d_model: int = 64
     """Width of the residual stream."""
     tie_embeddings: bool = True
-    """Share the token embedding with the output projection. Untied, the two
-    tables can be sharding units of their own (see ``embedding_units``)."""
+    """Share the token embedding with the output projection."""
     recompute: str = "none"
     """Activation recompute per block: "none", "reentrant" or "non_reentrant"
     (torch.utils.checkpoint), trading compute for activation memory."""
@@ -74,16 +73,14 @@ class GPTEmbedding(nn.Embedding):
 
 
 class TokenEmbedding(GPTEmbedding):
-    """The token table: its own class, so a wrapping policy can make it a
-    sharding unit apart from the (small) position table."""
+    """The token table: a class of its own, so that a wrapping policy can name
+    it apart from the (small) position table."""
 
 
 class OutputHead(GPTLinear):
     """The output projection. Given ``targets`` it returns the chunked loss
     instead of logits; either way the head is *called*, never reached into for
-    its weight, so a sharding unit around it sees its forward and backward:
-    its weights can be gathered ahead of use (it runs last in forward) and
-    its gradient reduced as soon as backward has it (it runs first there)."""
+    its weight, so hooks on it (a wrapper's) see its forward and backward."""
 
     def __init__(self, d_model: int, vocab_size: int):
         super().__init__(d_model, vocab_size, bias=False)
@@ -199,13 +196,3 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     """Next-token cross entropy in fp32, whatever the compute dtype."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
 
-
-def embedding_units(model: GPT) -> list[nn.Module]:
-    """The token table and the output head, where each may be a sharding unit
-    of its own: untied only (a tied weight is one parameter, owned by one unit,
-    the root). Apart from the root, the head is gathered while the blocks run
-    and its gradient reduced at the start of backward, not with the root at
-    the end; the root keeps only the position table and the final norm."""
-    if model.lm_head.weight is model.tok_emb.weight:
-        return []
-    return [model.tok_emb, model.lm_head]
