@@ -44,23 +44,25 @@ def _reference(tied: bool, data: list) -> tuple[list, dict]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _one_call(tied: bool, split: bool, strategy: str):
+def _one_call(tied: bool, split: bool | str, strategy: str):
+    """``split``: False (the root lump), True (embedding units) or "rows"
+    (embedding units, the token table's forward gathering only its rows)."""
     model = _model(tied)
     opt = make_optimizer("adamw", model.named_parameters())
     units = [TransformerBlock] + ([type(m) for m in embedding_units(model)] if split else [])
     model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, zero_dp_strategy=strategy)
     if split:
-        schedule_embedding_units(model)
+        schedule_embedding_units(model, rows_only=split == "rows")
     return model, opt
 
 
-def _per_module(tied: bool, split: bool, strategy: str):
+def _per_module(tied: bool, split: bool | str, strategy: str):
     model = _model(tied)
     for unit in list(model.blocks) + (embedding_units(model) if split else []):
         flatfsdp.fully_shard(unit)
     flatfsdp.fully_shard(model)
     if split:
-        schedule_embedding_units(model)
+        schedule_embedding_units(model, rows_only=split == "rows")
     return model, make_optimizer("adamw", model.named_parameters())
 
 
@@ -97,12 +99,15 @@ def split_worker(rank, world):
         out["reference", tied] = ref_losses
         runs = [("one_call", split, tied, s) for split in (False, True) for s in STRATEGIES]
         runs.append(("per_module", True, tied, "optim_grads_params"))
+        if not tied:  # a tied table is the root's: no unit of its own to look rows up in
+            runs += [(door, "rows", tied, "optim_grads_params") for door in ("one_call", "per_module")]
         for door, split, _, strategy in runs:
             build = _one_call if door == "one_call" else _per_module
             result = _train(*build(tied, split, strategy), rank, world, data)
             result["param_diff"] = max_diff(result.pop("params"), ref_params)
             out[door, split, tied, strategy] = result
     out["numel"] = {n: p.numel() for n, p in _model(False).named_parameters()}
+    out["last_ids"] = local_slice(batches(STEPS)[-1], rank, world)[:, :-1]
     return out
 
 
@@ -209,3 +214,44 @@ def test_split_matches_the_lump_under_hsdp_int8_gathers_and_offload():
         (lump_losses, lump_params), (split_losses, split_params) = out[name, False], out[name, True]
         assert split_losses == lump_losses, name
         assert max_diff(split_params, lump_params) == 0.0, name
+
+
+@pytest.mark.parametrize("door", ["one_call", "per_module"])
+def test_token_lookup_gathers_only_the_rows_of_the_batch(results, door):
+    """set_lookup_rows_only: the token table's forward moves the rows the two
+    ranks' ids touch (an all-reduce of those rows, and the ids), not the
+    table; the backward does not gather it either; the numbers are the
+    lump's, bit for bit (each row element is summed with zeros only)."""
+    numel, lump = results[0]["numel"], results[0]["one_call", False, False, "optim_grads_params"]
+    distinct = torch.cat([r["last_ids"].reshape(-1) for r in results]).unique().numel()
+    width = CFG.d_model
+    assert 0 < distinct < CFG.vocab_size  # the check below would not tell rows from table otherwise
+    for rank in results:
+        rows = rank[door, "rows", False, "optim_grads_params"]
+        assert rows["losses"] == lump["losses"] and rows["param_diff"] < 1e-5
+        comm = rows["comm"]
+        assert comm["lookup_rows"] == {"count": 1, "bytes": distinct * width * 4}
+        assert comm["all_gather"]["bytes"] == lump["comm"]["all_gather"]["bytes"] - numel["tok_emb.weight"] * 4
+        assert comm["reduce_scatter"]["bytes"] == lump["comm"]["reduce_scatter"]["bytes"]  # dense, as before
+        assert _reductions(rows["events"])[0] == "lm_head"
+
+
+def refusal_worker(rank, world):
+    out = {}
+    model = _model(False)
+    flatfsdp.fully_shard(model.blocks[0])
+    flatfsdp.fully_shard(model.tok_emb, zero_dp_strategy="optim")
+    flatfsdp.fully_shard(model)
+    for name, unit in (("block", model.blocks[0]), ("zero1", model.tok_emb)):
+        try:
+            unit.set_lookup_rows_only(True)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_lookup_rows_only_refuses_what_it_cannot_serve():
+    out = run_ranks(refusal_worker, 2)[0]
+    assert "unit 'blocks.0' cannot gather rows only: it is not one nn.Embedding" in out["block"]
+    assert "unit 'tok_emb' cannot gather rows only" in out["zero1"] and "ZeRO-3" in out["zero1"]

@@ -106,7 +106,8 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
     model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=unit_classes(model),
                                             zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy,
                                             **lowbit, **mesh)
-    schedule_embedding_units(model)
+    # Row lookups read a ZeRO-3 shard gathered plainly (not low-bit codes).
+    schedule_embedding_units(model, rows_only=cfg.strategy == "optim_grads_params" and cfg.param_gather_dtype is None)
     if on_nonfinite is not None:
         flatfsdp.set_on_nonfinite(model, on_nonfinite)
     return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer),

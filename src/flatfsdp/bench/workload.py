@@ -58,16 +58,20 @@ def unit_classes(model: nn.Module) -> list[type]:
     return list(dict.fromkeys(type(m) for m in unit_modules(model)))
 
 
-def schedule_embedding_units(model: nn.Module) -> None:
+def schedule_embedding_units(model: nn.Module, rows_only: bool = False) -> None:
     """After sharding ``unit_modules`` (either engine: FSDP2's unit controls).
     The token table's backward needs no weights (a lookup's gradient is the
     incoming gradient scattered into rows): not gathered for it. The head now
     runs last in forward, so the last block keeps its weights from forward to
-    backward, as it does when it runs last: no extra gather per step."""
+    backward, as it does when it runs last: no extra gather per step.
+    ``rows_only`` (flatfsdp, ZeRO-3 with plain gathers): the token table's
+    forward gathers only the rows of the batch's ids (``set_lookup_rows_only``)."""
     if not (isinstance(model, GPT) and embedding_units(model)):
         return
     model.tok_emb.set_unshard_in_backward(False)
     model.blocks[-1].set_reshard_after_forward(False)
+    if rows_only:
+        model.tok_emb.set_lookup_rows_only(True)
 
 
 def param_count(model: nn.Module) -> int:

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flatfsdp.engine.comm import lookup_rows
 from flatfsdp.engine.comm.coalesce import GatherRequest
+from flatfsdp.engine.comm.gather import GatherPlan
 from flatfsdp.engine.groups.buffers import GroupBuffers
 from flatfsdp.engine.groups.gradients import GroupGradients
 from flatfsdp.engine.groups.group_core import GroupCore
@@ -182,6 +184,33 @@ class ParamGroup(GroupCore):
             self.mark_synced()
             return None
         return GatherRequest(b.gather_codec, b.pg, then=[self.mark_synced] if kept else [])
+
+    def rows_refusal(self) -> str | None:
+        """Why ``gather_rows`` cannot serve this group (None: it can): one
+        parameter, chunked on dim 0, gathered plainly from a ZeRO-3 shard."""
+        codec = self.buffers.gather_codec
+        if len(self.params) != 1:
+            return f"its group holds {len(self.params)} parameters, not one table"
+        if not isinstance(codec, GatherPlan) or codec.source_in_unsharded:
+            return ("its weights are not gathered plainly from a ZeRO-3 shard (replicated, kept gathered "
+                    "by ZeRO-1/2, low-bit codes or a custom all-gather)")
+        if self.layout.params[0].shard_dim != 0:
+            return f"its table is chunked on dim {self.layout.params[0].shard_dim}, not 0"
+        return None
+
+    def gather_rows(self, ids: torch.Tensor) -> None:
+        """Mark the group gathered, with only the rows ``ids`` (on any rank)
+        hold current in the unsharded buffer (comm/lookup_rows.py); a no-op if
+        already gathered. For an embedding's forward, which reads nothing else."""
+        if self._unsharded:
+            return
+        self._unsharded = True
+        b = self.buffers
+        if not self.in_sync():
+            b.gather_codec.refresh()
+            self.mark_synced()
+        b.unsharded.alloc()
+        lookup_rows.gather_rows(b.gather_codec, 0, ids, b.pg)
 
     def refresh_early(self) -> None:
         """A new step begins: start what bringing the gathered weights up to date

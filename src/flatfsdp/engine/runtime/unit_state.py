@@ -152,6 +152,19 @@ class UnitState:
         self.unshard(async_op=False)
         self.wait_unshard()
 
+    def _gather_rows(self, args: tuple, kwargs: dict) -> None:
+        """An embedding's forward: only the rows of the ids it is given (and
+        the other ranks are given) travel (set_lookup_rows_only)."""
+        if self._swapped_in:
+            self.wait_unshard()  # gathered whole already (a user's unshard): every row is there
+            return
+        ids = args[0] if args else kwargs["input"]
+        with record_function(self.label("lookup_rows")):
+            self.ensure_initialized()
+            for group in self.groups:
+                group.gather_rows(ids)
+            self.await_gathers([])
+
     def _prefetch(self, states: list["UnitState"]) -> None:
         """Start gathering these units' weights so they arrive while this unit
         computes (one coalesced launch for all of them)."""
@@ -183,10 +196,14 @@ class UnitState:
                 self.training_state = TrainingState.FORWARD
                 context.record_forward(self)
                 self._forwarded.add(id(module))
-            self._unshard_now()
+            if self.controls.lookup_rows_only and not context.in_backward:
+                self._gather_rows(args, kwargs)
+            else:
+                self._unshard_now()
             if not context.in_backward:
                 explicit = self.controls.forward_prefetch
-                self._prefetch(context.next_in_forward(self) if explicit is None else explicit)
+                self._prefetch([s for s in context.next_in_forward(self) if not s.controls.lookup_rows_only]
+                               if explicit is None else explicit)
             if torch.is_grad_enabled() and any(g.trainable for g in self.groups):
                 args, kwargs = _PostBackward.register(self, args, kwargs)
             if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
@@ -245,6 +262,8 @@ class UnitState:
         needed throughout); so, unless told otherwise, does the unit that ran
         last in the previous step's forward: its backward comes first, so
         releasing it would only gather it again at once."""
+        if self.controls.lookup_rows_only:  # only some rows are there: never kept for others to read
+            return False
         reshard = self.controls.reshard_after_forward
         if reshard is False:
             return True

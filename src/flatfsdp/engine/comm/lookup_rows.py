@@ -1,0 +1,54 @@
+"""Gathering only the rows of an embedding table that a batch's ids touch.
+
+An embedding's forward reads the rows of its input ids, not the table. Its
+weight is chunked on dim 0 (each rank holds a contiguous run of rows, see
+layout.arithmetic), so every rank's rows come in one collective: the ranks
+share their ids (an all-gather of a few KB), each writes the rows of the
+union that it holds into a (rows x width) table, zeros elsewhere, and a sum
+over the group hands every rank every row -- exactly, since each element has
+one nonzero term (x + 0 == x). The rows land in their places in the unsharded
+buffer; the rest of it is left unwritten, and the lookup never reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flatfsdp.engine.comm import collectives
+from flatfsdp.engine.comm.gather import GatherPlan
+from flatfsdp.engine.layout import views
+
+
+def union_of_ids(ids: torch.Tensor, group: dist.ProcessGroup, plan: GatherPlan) -> torch.Tensor:
+    """The sorted distinct ids over every rank of ``group`` (ranks may hold different counts)."""
+    mine = ids.reshape(-1).to(torch.int64).unique()
+    counts = torch.zeros(group.size(), dtype=torch.int64, device=mine.device)
+    collectives.all_gather(counts, torch.tensor([mine.numel()], device=mine.device), group, plan.transport,
+                           kind="lookup_ids").wait()
+    longest = int(counts.max())
+    padded = torch.full((longest,), -1, dtype=torch.int64, device=mine.device)
+    padded[:mine.numel()] = mine
+    everyone = torch.empty(group.size() * longest, dtype=torch.int64, device=mine.device)
+    collectives.all_gather(everyone, padded, group, plan.transport, kind="lookup_ids").wait()
+    return everyone[everyone >= 0].unique()
+
+
+def gather_rows(plan: GatherPlan, index: int, ids: torch.Tensor, group: dist.ProcessGroup) -> int:
+    """Fill the rows ``ids`` (on any rank of ``group``) of parameter ``index``
+    in ``plan``'s unsharded buffer from the ranks' local chunks; returns how
+    many rows travelled. ``plan.source`` must be current (the caller refreshes it)."""
+    p = plan.layout.params[index]
+    if p.shard_dim != 0:
+        raise ValueError(f"a row lookup needs the table chunked on dim 0, not dim {p.shard_dim}")
+    needed = union_of_ids(ids, group, plan).to(plan.device)
+    width, rank = p.numel // p.shape[0], plan.rank
+    table = torch.zeros(needed.numel(), width, dtype=plan.dtype, device=plan.device)
+    start, length = p.chunk_start(rank), p.chunk_length(rank)
+    if length:
+        local = views.local_chunk(plan.source, p, rank).reshape(length, width)
+        held = (needed >= start) & (needed < start + length)
+        table[held] = local[needed[held] - start]
+    collectives.all_reduce(table, group, plan.transport, kind="lookup_rows").wait()
+    views.unsharded_param(plan.unsharded, p).view(p.shape[0], width)[needed] = table
+    return needed.numel()
