@@ -15,6 +15,7 @@ from torch import nn
 
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from flatfsdp.engine.runtime.unit_controls import lookup_rows_refusal
 from flatfsdp.engine.runtime.class_swap import swap_class
 from flatfsdp.engine.runtime.conversion import adopt_converted
 from flatfsdp.engine.runtime.torch_fsdp2_view import Fsdp2StateView, file_torch_state
@@ -313,17 +314,13 @@ class FSDPModule(TorchFSDPModule):
         self._flatfsdp_state.controls.unshard_in_backward = unshard_in_backward
 
     def set_lookup_rows_only(self, lookup_rows_only: bool) -> None:
-        """True, for a unit that is one ``nn.Embedding`` sharded ZeRO-3: its
-        forward gathers only the rows the ranks' input ids touch (an all-reduce
-        of those rows, not an all-gather of the table) and releases them after
-        (docs/fsdp2.md). Its backward gathers the whole table unless
-        ``set_unshard_in_backward(False)`` (a lookup's gradient needs no weights)."""
+        """True, on one ``nn.Embedding`` sharded ZeRO-3: its forward gathers only
+        the rows the ranks' ids touch (docs/fsdp2.md); its backward gathers the
+        table unless ``set_unshard_in_backward(False)``."""
         state = self._flatfsdp_state
-        if lookup_rows_only:
-            reason = _rows_refusal(state)
-            if reason is not None:
-                raise ValueError(f"set_lookup_rows_only: unit '{state.path or type(self).__name__}' cannot "
-                                 f"gather rows only: {reason}")
+        if lookup_rows_only and (reason := lookup_rows_refusal(state)) is not None:
+            raise ValueError(f"set_lookup_rows_only: unit '{state.path or type(self).__name__}' cannot "
+                             f"gather rows only: {reason}")
         state.controls.lookup_rows_only = bool(lookup_rows_only)
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
@@ -400,15 +397,3 @@ def become_fsdp_module(module: nn.Module, state: UnitState) -> None:
     swap_class(module, FSDPModule, prefix="FSDP")
     file_torch_state(module, state)
 
-
-def _rows_refusal(state) -> str | None:
-    """Why a unit's forward cannot gather only the rows of its ids (None: it can)."""
-    modules = state.modules
-    if len(modules) != 1 or not isinstance(modules[0], nn.Embedding):
-        return "it is not one nn.Embedding"
-    if modules[0].max_norm is not None:
-        return "max_norm renormalises the looked-up rows in place"
-    if len(state.groups) != 1:
-        return f"it has {len(state.groups)} param groups, not one"
-    refusal = getattr(state.groups[0], "rows_refusal", None)
-    return "its table is a tensor subclass" if refusal is None else refusal()

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from torch import nn
+
 
 @dataclass
 class UnitControls:
@@ -58,3 +60,16 @@ class UnitControls:
     is_last_backward: bool = True
     """Read on the root: False means more microbatches follow before the
     optimizer step, so the backward's end need not wait for its reductions."""
+
+
+def lookup_rows_refusal(state) -> str | None:
+    """Why a unit's forward cannot gather only the rows of its ids (None: it can)."""
+    modules = state.modules
+    if len(modules) != 1 or not isinstance(modules[0], nn.Embedding):
+        return "it is not one nn.Embedding"
+    if modules[0].max_norm is not None:
+        return "max_norm renormalises the looked-up rows in place"
+    if len(state.groups) != 1:
+        return f"it has {len(state.groups)} param groups, not one"
+    refusal = getattr(state.groups[0], "rows_refusal", None)
+    return "its table is a tensor subclass" if refusal is None else refusal()
