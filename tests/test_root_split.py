@@ -186,13 +186,14 @@ def _options(name: str) -> dict:
 def other_paths_worker(rank, world):
     out = {}
     for name in ("hsdp", "int8", "offload"):
-        for split in (False, True):
+        # Row lookups need plainly gathered weights: int8 codes keep the table's gather.
+        for split in (False, True) + (() if name == "int8" else ("rows",)):
             model = _model(False)
             opt = make_optimizer("adamw", model.named_parameters())
             units = [TransformerBlock] + ([type(m) for m in embedding_units(model)] if split else [])
             model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, **_options(name))
             if split:
-                schedule_embedding_units(model)
+                schedule_embedding_units(model, rows_only=split == "rows")
             losses = []
             for x in batches(STEPS):
                 x = local_slice(x, rank, world)
@@ -208,12 +209,14 @@ def other_paths_worker(rank, world):
 def test_split_matches_the_lump_under_hsdp_int8_gathers_and_offload():
     """The embedding units are ordinary units: whatever path the root lump
     took (HSDP's outer all-reduce, block-scaled int8 gathers, main weights in
-    host memory), the split takes it too, with the same numbers."""
+    host memory), the split takes it too, with the same numbers; so do row
+    lookups, where the weights are gathered plainly."""
     out = run_ranks(other_paths_worker, 2)[0]
-    for name in ("hsdp", "int8", "offload"):
-        (lump_losses, lump_params), (split_losses, split_params) = out[name, False], out[name, True]
-        assert split_losses == lump_losses, name
-        assert max_diff(split_params, lump_params) == 0.0, name
+    for (name, split), (losses, params) in out.items():
+        lump_losses, lump_params = out[name, False]
+        assert losses == lump_losses, (name, split)
+        assert max_diff(params, lump_params) == 0.0, (name, split)
+    assert ("hsdp", "rows") in out and ("offload", "rows") in out
 
 
 @pytest.mark.parametrize("door", ["one_call", "per_module"])
@@ -255,3 +258,37 @@ def test_lookup_rows_only_refuses_what_it_cannot_serve():
     out = run_ranks(refusal_worker, 2)[0]
     assert "unit 'blocks.0' cannot gather rows only: it is not one nn.Embedding" in out["block"]
     assert "unit 'tok_emb' cannot gather rows only" in out["zero1"] and "ZeRO-3" in out["zero1"]
+
+
+def hybrid_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    out = {}
+    for outer in ("no_shard", "optim"):  # HSDP, HFSDP over 2 x 2 ranks
+        for split in (False, "rows"):
+            model = _model(False)
+            opt = make_optimizer("adamw", model.named_parameters())
+            units = [TransformerBlock] + ([type(m) for m in embedding_units(model)] if split else [])
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+            model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, device_mesh=mesh,
+                                              dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                                              outer_dp_sharding_strategy=outer)
+            if split:
+                schedule_embedding_units(model, rows_only=True)
+            losses = []
+            for x in batches(STEPS):
+                x = local_slice(x, rank, world)
+                loss = model(x[:, :-1], x[:, 1:])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(global_mean(loss))
+            out[outer, split] = losses
+    return out
+
+
+def test_row_lookups_under_hsdp_and_hfsdp_at_four_ranks():
+    """Rows are looked up within each replica's shard group; HFSDP's outer
+    gather brings the shard up to date first. The lump's losses, exactly."""
+    out = run_ranks(hybrid_worker, 4)[0]
+    for outer in ("no_shard", "optim"):
+        assert out[outer, "rows"] == out[outer, False], outer
