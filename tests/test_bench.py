@@ -121,7 +121,7 @@ def test_untied_gpt_trains_alike_and_moves_the_root_lumps_bytes(untied_results):
     """--untie-embeddings-and-output-weights: the token table and the head are
     units of their own (tests/test_root_split.py has the schedule); the
     contenders agree, and flatfsdp moves what the root lump did, except the
-    token table's gather: only the rows of each step's ids travel."""
+    token table's gather and reduction: only the rows of each step's ids travel."""
     assert untied_results["config"]["untied"] is True
     rows = untied_results["summary"]["rows"]
     assert all(row["loss_ok"] for row in rows.values())
@@ -132,10 +132,10 @@ def test_untied_gpt_trains_alike_and_moves_the_root_lumps_bytes(untied_results):
     last = sum(p.numel() for p in model.blocks[-1].parameters())
     table = model.tok_emb.weight.numel()
     measured = {k: v["bytes"] for k, v in rows["flatfsdp"]["comm"]["measured"].items()}
-    assert set(measured) == {"all_gather", "reduce_scatter", "lookup_ids", "lookup_rows"}
+    assert set(measured) == {"all_gather", "reduce_scatter", "lookup_ids", "lookup_rows", "reduce_rows"}
     assert measured["all_gather"] == (2 * total - outside_blocks - last - table) * 4
-    assert measured["reduce_scatter"] == total * 4
-    assert 0 < measured["lookup_rows"] < table * 4  # a per-step mean: rows differ between steps
+    assert measured["reduce_scatter"] == (total - table) * 4
+    assert 0 < measured["lookup_rows"] == measured["reduce_rows"] < table * 4  # per-step means: rows vary
 
 
 def _sum_ranks(x: float) -> float:

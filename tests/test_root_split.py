@@ -220,11 +220,11 @@ def test_split_matches_the_lump_under_hsdp_int8_gathers_and_offload():
 
 
 @pytest.mark.parametrize("door", ["one_call", "per_module"])
-def test_token_lookup_gathers_only_the_rows_of_the_batch(results, door):
+def test_token_lookup_gathers_and_reduces_only_the_rows_of_the_batch(results, door):
     """set_lookup_rows_only: the token table's forward moves the rows the two
     ranks' ids touch (an all-reduce of those rows, and the ids), not the
-    table; the backward does not gather it either; the numbers are the
-    lump's, bit for bit (each row element is summed with zeros only)."""
+    table; the backward does not gather it either; its gradient reduction
+    sends those rows, not the table; the numbers are the lump's, bit for bit."""
     numel, lump = results[0]["numel"], results[0]["one_call", False, False, "optim_grads_params"]
     distinct = torch.cat([r["last_ids"].reshape(-1) for r in results]).unique().numel()
     width = CFG.d_model
@@ -235,7 +235,10 @@ def test_token_lookup_gathers_only_the_rows_of_the_batch(results, door):
         comm = rows["comm"]
         assert comm["lookup_rows"] == {"count": 1, "bytes": distinct * width * 4}
         assert comm["all_gather"]["bytes"] == lump["comm"]["all_gather"]["bytes"] - numel["tok_emb.weight"] * 4
-        assert comm["reduce_scatter"]["bytes"] == lump["comm"]["reduce_scatter"]["bytes"]  # dense, as before
+        # Its gradient: the same rows, summed (two ranks: the same two numbers added), the rest zeros.
+        assert comm["reduce_rows"] == {"count": 1, "bytes": distinct * width * 4}
+        assert comm["reduce_scatter"]["bytes"] == (lump["comm"]["reduce_scatter"]["bytes"]
+                                                   - numel["tok_emb.weight"] * 4)
         assert _reductions(rows["events"])[0] == "lm_head"
 
 
@@ -292,3 +295,29 @@ def test_row_lookups_under_hsdp_and_hfsdp_at_four_ranks():
     out = run_ranks(hybrid_worker, 4)[0]
     for outer in ("no_shard", "optim"):
         assert out[outer, "rows"] == out[outer, False], outer
+
+
+def accumulation_worker(rank, world):
+    """Two microbatches a step, the first without gradient sync: the rows the
+    reduction sends must cover both microbatches' lookups."""
+    out = {}
+    for split in (False, "rows"):
+        model, opt = _per_module(False, split, "optim_grads_params")
+        losses = []
+        for x in batches(STEPS):
+            x = local_slice(x, rank, world)
+            for micro, sync in ((x[:1], False), (x[1:], True)):
+                model.set_requires_gradient_sync(sync)
+                loss = model(micro[:, :-1], micro[:, 1:])
+                loss.backward()
+                losses.append(global_mean(loss))
+            opt.step()
+            opt.zero_grad()
+        out[split] = losses, full_params(model)
+    return out
+
+
+def test_row_reduction_covers_every_microbatch_since_the_last():
+    out = run_ranks(accumulation_worker, 2)[0]
+    assert out["rows"][0] == out[False][0]
+    assert max_diff(out["rows"][1], out[False][1]) == 0.0

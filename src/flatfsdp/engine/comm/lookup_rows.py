@@ -34,10 +34,10 @@ def union_of_ids(ids: torch.Tensor, group: dist.ProcessGroup, plan: GatherPlan) 
     return everyone[everyone >= 0].unique()
 
 
-def gather_rows(plan: GatherPlan, index: int, ids: torch.Tensor, group: dist.ProcessGroup) -> int:
+def gather_rows(plan: GatherPlan, index: int, ids: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Fill the rows ``ids`` (on any rank of ``group``) of parameter ``index``
-    in ``plan``'s unsharded buffer from the ranks' local chunks; returns how
-    many rows travelled. ``plan.source`` must be current (the caller refreshes it)."""
+    in ``plan``'s unsharded buffer from the ranks' local chunks; returns the
+    rows that travelled (sorted, the same on every rank). ``plan.source`` must be current (the caller refreshes it)."""
     p = plan.layout.params[index]
     if p.shard_dim != 0:
         raise ValueError(f"a row lookup needs the table chunked on dim 0, not dim {p.shard_dim}")
@@ -51,4 +51,56 @@ def gather_rows(plan: GatherPlan, index: int, ids: torch.Tensor, group: dist.Pro
         table[held] = local[needed[held] - start]
     collectives.all_reduce(table, group, plan.transport, kind="lookup_rows").wait()
     views.unsharded_param(plan.unsharded, p).view(p.shape[0], width)[needed] = table
-    return needed.numel()
+    return needed
+
+
+class RowsReduce:
+    """The reduce codec of a row-lookup table (see the module's note): its
+    gradient is nonzero only in the rows the forward looked up, so only those
+    rows travel -- one all-reduce of (rows x width), after which each rank
+    keeps the rows it holds and zeros the rest of its shard. A reduce-scatter
+    is linear: summing just the nonzero rows gives the same shard (bit for bit
+    at two ranks, where either collective adds the same two numbers).
+
+    The rows are noted by every forward since the last reduction (their
+    union: microbatches accumulate); without any (a forward that gathered
+    the table whole), the reduction is the plain dense one. Synchronous: it
+    is the step's last reduction and small, and a host-side scatter must land
+    before HSDP's replica all-reduce reads the shard."""
+
+    def __init__(self, plain, layout, index: int, rank: int):
+        self.plain, self.transport = plain, plain.transport
+        self.p, self.rank = layout.params[index], rank
+        self._rows: torch.Tensor | None = None
+
+    @property
+    def key(self):
+        return ("rows", id(self))  # never packed with another group's reduction
+
+    def averages(self, divisor: float, group: dist.ProcessGroup, dtype: torch.dtype) -> bool:
+        return False
+
+    def note_rows(self, rows: torch.Tensor) -> None:
+        """A forward looked up ``rows`` (the same on every rank)."""
+        self._rows = rows if self._rows is None else torch.cat([self._rows, rows]).unique()
+
+    def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, *,
+                       async_op: bool, stream, average: bool = False) -> collectives.Pending:
+        rows, self._rows = self._rows, None
+        if rows is None:
+            return self.plain.reduce_scatter(output, flat, group, async_op=async_op, stream=stream, average=average)
+        p, world = self.p, group.size()
+        width = p.numel // p.shape[0]
+        slots = flat.view(world, -1)[:, p.local_offset:p.local_offset + p.chunk * width].view(world, p.chunk, width)
+        owner = rows // p.chunk
+        offset = rows - owner * p.chunk
+        picked = slots[owner, offset]  # a copy: (rows x width)
+        collectives.all_reduce(picked, group, self.transport, kind="reduce_rows").wait()
+        output.zero_()
+        mine = owner == self.rank
+        output[p.local_offset:p.local_offset + p.chunk * width].view(p.chunk, width)[offset[mine]] = picked[mine]
+        return collectives.Pending([], group=group)
+
+    def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False,
+                   stream=None) -> collectives.Pending:
+        return self.plain.all_reduce(flat, group, async_op=async_op, stream=stream)

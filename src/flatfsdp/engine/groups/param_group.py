@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from flatfsdp.engine.comm import lookup_rows
 from flatfsdp.engine.comm.coalesce import GatherRequest
 from flatfsdp.engine.comm.gather import GatherPlan
+from flatfsdp.engine.comm.wire import PlainReduce
 from flatfsdp.engine.groups.buffers import GroupBuffers
 from flatfsdp.engine.groups.gradients import GroupGradients
 from flatfsdp.engine.groups.group_core import GroupCore
@@ -200,17 +201,34 @@ class ParamGroup(GroupCore):
 
     def gather_rows(self, ids: torch.Tensor) -> None:
         """Mark the group gathered, with only the rows ``ids`` (on any rank)
-        hold current in the unsharded buffer (comm/lookup_rows.py); a no-op if
-        already gathered. For an embedding's forward, which reads nothing else."""
-        if self._unsharded:
+        hold current in the unsharded buffer (comm/lookup_rows.py); if already
+        gathered, only note the rows. For an embedding's forward, which reads nothing else."""
+        b = self.buffers
+        if self._unsharded:  # gathered whole: every row is here; the rows still count for the reduction
+            self.note_rows(lookup_rows.union_of_ids(ids, b.pg, b.gather_codec))
             return
         self._unsharded = True
-        b = self.buffers
         if not self.in_sync():
             b.gather_codec.refresh()
             self.mark_synced()
         b.unsharded.alloc()
-        lookup_rows.gather_rows(b.gather_codec, 0, ids, b.pg)
+        self.note_rows(lookup_rows.gather_rows(b.gather_codec, 0, ids, b.pg))
+
+    def note_rows(self, rows: torch.Tensor) -> None:
+        """The table's gradient will be nonzero in ``rows`` (too): a row
+        reduction, where the group reduces rows only, sends them."""
+        if isinstance(self.buffers.reduce_codec, lookup_rows.RowsReduce):
+            self.buffers.reduce_codec.note_rows(rows)
+
+    def reduce_rows_only(self, on: bool) -> None:
+        """Reduce the table's gradient as the rows its lookups touched
+        (comm/lookup_rows.RowsReduce) -- where gradients travel plainly; the
+        dense reduction otherwise."""
+        b = self.buffers
+        if on and type(b.reduce_codec) is PlainReduce and self.placement.sharded:
+            b.reduce_codec = lookup_rows.RowsReduce(b.reduce_codec, self.layout, 0, self.index)
+        elif not on and isinstance(b.reduce_codec, lookup_rows.RowsReduce):
+            b.reduce_codec = b.reduce_codec.plain
 
     def refresh_early(self) -> None:
         """A new step begins: start what bringing the gathered weights up to date

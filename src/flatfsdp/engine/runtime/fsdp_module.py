@@ -314,14 +314,15 @@ class FSDPModule(TorchFSDPModule):
         self._flatfsdp_state.controls.unshard_in_backward = unshard_in_backward
 
     def set_lookup_rows_only(self, lookup_rows_only: bool) -> None:
-        """True, on one ``nn.Embedding`` sharded ZeRO-3: its forward gathers only
-        the rows the ranks' ids touch (docs/fsdp2.md); its backward gathers the
-        table unless ``set_unshard_in_backward(False)``."""
+        """True, on one ``nn.Embedding`` sharded ZeRO-3: its forward gathers, and its
+        gradient reduction sends, only the rows the ranks' ids touch (docs/fsdp2.md)."""
         state = self._flatfsdp_state
         if lookup_rows_only and (reason := lookup_rows_refusal(state)) is not None:
             raise ValueError(f"set_lookup_rows_only: unit '{state.path or type(self).__name__}' cannot "
                              f"gather rows only: {reason}")
         state.controls.lookup_rows_only = bool(lookup_rows_only)
+        for group in state.groups:  # its gradient: only the looked-up rows travel
+            group.reduce_rows_only(bool(lookup_rows_only))
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Start gathering these units when this one's forward starts (instead

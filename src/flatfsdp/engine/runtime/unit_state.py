@@ -155,15 +155,17 @@ class UnitState:
     def _gather_rows(self, args: tuple, kwargs: dict) -> None:
         """An embedding's forward: only the rows of the ids it is given (and
         the other ranks are given) travel (set_lookup_rows_only)."""
-        if self._swapped_in:
-            self.wait_unshard()  # gathered whole already (a user's unshard): every row is there
-            return
         ids = args[0] if args else kwargs["input"]
         with record_function(self.label("lookup_rows")):
-            self.ensure_initialized()
+            gathered = self._swapped_in  # whole, already (a user's unshard): the groups only note the rows
+            if gathered:
+                self.wait_unshard()
+            else:
+                self.ensure_initialized()
             for group in self.groups:
                 group.gather_rows(ids)
-            self.await_gathers([])
+            if not gathered:
+                self.await_gathers([])
 
     def _prefetch(self, states: list["UnitState"]) -> None:
         """Start gathering these units' weights so they arrive while this unit
