@@ -37,7 +37,8 @@ def union_of_ids(ids: torch.Tensor, group: dist.ProcessGroup, plan: GatherPlan) 
 def gather_rows(plan: GatherPlan, index: int, ids: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Fill the rows ``ids`` (on any rank of ``group``) of parameter ``index``
     in ``plan``'s unsharded buffer from the ranks' local chunks; returns the
-    rows that travelled (sorted, the same on every rank). ``plan.source`` must be current (the caller refreshes it)."""
+    rows that travelled (sorted, the same on every rank). ``plan.source``
+    must be current (the caller refreshes it)."""
     p = plan.layout.params[index]
     if p.shard_dim != 0:
         raise ValueError(f"a row lookup needs the table chunked on dim 0, not dim {p.shard_dim}")

@@ -15,12 +15,12 @@ from torch import nn
 
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from flatfsdp.engine.runtime.unit_controls import lookup_rows_refusal
 from flatfsdp.engine.runtime.class_swap import swap_class
 from flatfsdp.engine.runtime.conversion import adopt_converted
 from flatfsdp.engine.runtime.torch_fsdp2_view import Fsdp2StateView, file_torch_state
 from flatfsdp.engine.comm.user_comms import check_comm
 from flatfsdp.engine.runtime.unit_state import UnitState
+from flatfsdp.engine.runtime.unit_controls import lookup_rows_refusal
 
 
 class UnshardHandle:
@@ -397,4 +397,3 @@ def become_fsdp_module(module: nn.Module, state: UnitState) -> None:
     module._flatfsdp_state = state
     swap_class(module, FSDPModule, prefix="FSDP")
     file_torch_state(module, state)
-

@@ -22,7 +22,8 @@ class UnitControls:
     gradient needs only its input), so it is not gathered for it."""
     lookup_rows_only: bool = False
     """An embedding unit's forward gathers only the rows its input ids touch
-    on any rank (comm/lookup_rows.py), and releases them after; never prefetched."""
+    on any rank (comm/lookup_rows.py), and releases them after; never
+    prefetched. Its gradient reduction sends those rows only."""
     forward_prefetch: list | None = None
     """Units to start gathering when this one runs forward (None: the next in
     the recorded order)."""
