@@ -50,7 +50,8 @@ def gather_rows(plan: GatherPlan, index: int, ids: torch.Tensor, group: dist.Pro
         local = views.local_chunk(plan.source, p, rank).reshape(length, width)
         held = (needed >= start) & (needed < start + length)
         table[held] = local[needed[held] - start]
-    collectives.all_reduce(table, group, plan.transport, kind="lookup_rows").wait()
+    # async + wait: the host's wait is booked as exposed communication (comm_account().waited())
+    collectives.all_reduce(table, group, plan.transport, async_op=True, kind="lookup_rows").wait()
     views.unsharded_param(plan.unsharded, p).view(p.shape[0], width)[needed] = table
     return needed
 
@@ -96,7 +97,7 @@ class RowsReduce:
         owner = rows // p.chunk
         offset = rows - owner * p.chunk
         picked = slots[owner, offset]  # a copy: (rows x width)
-        collectives.all_reduce(picked, group, self.transport, kind="reduce_rows").wait()
+        collectives.all_reduce(picked, group, self.transport, async_op=True, kind="reduce_rows").wait()
         output.zero_()
         mine = owner == self.rank
         output[p.local_offset:p.local_offset + p.chunk * width].view(p.chunk, width)[offset[mine]] = picked[mine]
