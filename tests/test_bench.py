@@ -109,6 +109,35 @@ def test_fsdp2_bytes_counted_at_the_torch_layer(results):
     assert measured == {"all_gather": (2 * total - root) * 4, "reduce_scatter": total * 4}
 
 
+@pytest.fixture(scope="module")
+def untied_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-untied")
+    bench_main(TINY + ["--untie-embeddings-and-output-weights", "--contenders", "floor,fsdp2,flatfsdp",
+                       "--out", str(out)])
+    return json.loads((out / "results.json").read_text())
+
+
+def test_untied_gpt_trains_alike_and_moves_the_root_lumps_bytes(untied_results):
+    """--untie-embeddings-and-output-weights: the token table and the head are
+    units of their own (tests/test_root_split.py has the schedule); the
+    contenders agree, and flatfsdp moves what the root lump did, except the
+    token table's gather and reduction: only the rows of each step's ids travel."""
+    assert untied_results["config"]["untied"] is True
+    rows = untied_results["summary"]["rows"]
+    assert all(row["loss_ok"] for row in rows.values())
+    assert rows["flatfsdp"]["last_loss"] == pytest.approx(rows["fsdp2"]["last_loss"], abs=1e-4)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64, tie_embeddings=False))
+    total = sum(p.numel() for p in model.parameters())
+    outside_blocks = total - sum(p.numel() for p in model.blocks.parameters())
+    last = sum(p.numel() for p in model.blocks[-1].parameters())
+    table = model.tok_emb.weight.numel()
+    measured = {k: v["bytes"] for k, v in rows["flatfsdp"]["comm"]["measured"].items()}
+    assert set(measured) == {"all_gather", "reduce_scatter", "lookup_ids", "lookup_rows", "reduce_rows"}
+    assert measured["all_gather"] == (2 * total - outside_blocks - last - table) * 4
+    assert measured["reduce_scatter"] == (total - table) * 4
+    assert 0 < measured["lookup_rows"] == measured["reduce_rows"] < table * 4  # per-step means: rows vary
+
+
 def _sum_ranks(x: float) -> float:
     t = torch.tensor([x + dist.get_rank()])
     dist.all_reduce(t)

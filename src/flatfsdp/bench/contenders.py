@@ -19,7 +19,7 @@ from flatfsdp.bench import ds
 from flatfsdp.bench.floor import FloorTrainer
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.theory import STRATEGY_STAGE
-from flatfsdp.bench.workload import build_optimizer
+from flatfsdp.bench.workload import build_optimizer, schedule_embedding_units, unit_classes, unit_modules
 
 
 @dataclass
@@ -77,9 +77,10 @@ def setup_fsdp2(model: nn.Module, cfg: BenchConfig, compile_model: bool = False,
             else init_device_mesh(device_type, (dist.get_world_size(),)))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=cfg.reduce_dtype) if cfg.bf16
               else MixedPrecisionPolicy())
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+    for unit in unit_modules(model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    schedule_embedding_units(model)
     # FSDP2 swaps parameters for DTensors: its optimizer is built after sharding.
     optimizer = build_optimizer(model.parameters(), cfg)
     return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer), stage=3)
@@ -102,9 +103,11 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
               if cfg.bf16 else None)
     lowbit = dict(param_gather_dtype=cfg.param_gather_dtype,
                   grad_reduce_dtype=None if cfg.grad_reduce_dtype == "fp32" else cfg.grad_reduce_dtype)
-    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=[type(model.blocks[0])],
+    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=unit_classes(model),
                                             zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy,
                                             **lowbit, **mesh)
+    # Row lookups read a ZeRO-3 shard gathered plainly (not low-bit codes).
+    schedule_embedding_units(model, rows_only=cfg.strategy == "optim_grads_params" and cfg.param_gather_dtype is None)
     if on_nonfinite is not None:
         flatfsdp.set_on_nonfinite(model, on_nonfinite)
     return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer),

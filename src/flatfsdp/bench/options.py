@@ -56,7 +56,10 @@ class BenchConfig:
     heads: int = 6
     """Attention heads per block."""
     vocab: int = 32000
-    """Token ids; the output projection is tied to the embedding."""
+    """Token ids; the output projection is tied to the embedding unless ``untied``."""
+    untied: bool = False
+    """The GPT's output projection has a weight of its own; the token table
+    and the head are then FSDP units of their own (bench/workload.py, embedding_units)."""
     context: int = 256
     """Rows of the position table, fixed so both presets train the same model."""
     seq_len: int = 256
@@ -138,7 +141,10 @@ def add_model_flags(p: argparse.ArgumentParser, d: BenchConfig) -> None:
     flags.add(p, "--num-layers", dest="layers", default=d.layers, note="each one FSDP unit")
     flags.add(p, "--hidden-size", dest="d_model", default=d.d_model)
     flags.add(p, "--num-attention-heads", dest="heads", default=d.heads)
-    flags.add(p, "--vocab-size", dest="vocab", default=d.vocab, note="the output projection is tied to the embedding")
+    flags.add(p, "--vocab-size", dest="vocab", default=d.vocab,
+              note="the output projection is tied to the embedding unless --untie-embeddings-and-output-weights")
+    flags.add(p, "--untie-embeddings-and-output-weights", dest="untied",
+              note="the bench's GPT; the token table and the head are then FSDP units of their own")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -232,8 +238,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     context = args.context or max(256, shape["seq_len"])
     if shape["seq_len"] > context:
         raise SystemExit(f"--seq-length {shape['seq_len']} exceeds --max-position-embeddings {context}")
+    if args.untied and PRESET_MODELS.get(args.preset, "gpt") != "gpt":
+        raise SystemExit("--untie-embeddings-and-output-weights applies to the GPT, not --preset gpu's Llama")
     return BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
-                       context=context, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                       untied=args.untied, context=context, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                        nprocs=args.nprocs, threads_per_rank=args.threads_per_rank, bf16=args.bf16,
                        grad_reduce_dtype=args.grad_reduce_dtype, param_gather_dtype=args.param_gather_dtype,
                        strategy=args.strategy, contenders=names,

@@ -20,7 +20,7 @@ def device() -> torch.device:
 
 def gpt_config(cfg: BenchConfig) -> GPTConfig:
     return GPTConfig(vocab_size=cfg.vocab, seq_len=cfg.context, n_layer=cfg.layers, n_head=cfg.heads,
-                     d_model=cfg.d_model)
+                     d_model=cfg.d_model, tie_embeddings=not cfg.untied)
 
 
 def llama_config(cfg: BenchConfig) -> LlamaConfig:
@@ -30,9 +30,48 @@ def llama_config(cfg: BenchConfig) -> LlamaConfig:
 def build_model(cfg: BenchConfig) -> nn.Module:
     """The fp32 model (``cfg.model``), identical on every rank and for every
     contender (seeded init, on the default device: the CPU unless the caller
-    says otherwise). Its units are ``model.blocks``."""
+    says otherwise). Its units are ``unit_modules(model)``."""
     torch.manual_seed(cfg.seed)
     return Llama(llama_config(cfg)) if cfg.model == "llama" else GPT(gpt_config(cfg))
+
+
+def embedding_units(model: GPT) -> list[nn.Module]:
+    """The token table and the output head, where each may be a sharding unit
+    of its own: untied only (a tied weight is one parameter, owned by one unit,
+    the root). Apart from the root, the head is gathered while the blocks run
+    and its gradient reduced at the start of backward, not with the root at
+    the end; the root keeps only the position table and the final norm."""
+    if model.lm_head.weight is model.tok_emb.weight:
+        return []
+    return [model.tok_emb, model.lm_head]
+
+
+def unit_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules every sharding contender makes units below the root, bottom-up:
+    the blocks, and an untied GPT's token table and output head (models/gpt.py)."""
+    extra = embedding_units(model) if isinstance(model, GPT) else []
+    return list(model.blocks) + extra
+
+
+def unit_classes(model: nn.Module) -> list[type]:
+    """``unit_modules`` as the one-call front door's ``fsdp_unit_modules`` names them."""
+    return list(dict.fromkeys(type(m) for m in unit_modules(model)))
+
+
+def schedule_embedding_units(model: nn.Module, rows_only: bool = False) -> None:
+    """After sharding ``unit_modules`` (either engine: FSDP2's unit controls).
+    The token table's backward needs no weights (a lookup's gradient is the
+    incoming gradient scattered into rows): not gathered for it. The head now
+    runs last in forward, so the last block keeps its weights from forward to
+    backward, as it does when it runs last: no extra gather per step.
+    ``rows_only`` (flatfsdp, ZeRO-3 with plain gathers): the token table's
+    forward gathers only the rows of the batch's ids (``set_lookup_rows_only``)."""
+    if not (isinstance(model, GPT) and embedding_units(model)):
+        return
+    model.tok_emb.set_unshard_in_backward(False)
+    model.blocks[-1].set_reshard_after_forward(False)
+    if rows_only:
+        model.tok_emb.set_lookup_rows_only(True)
 
 
 def param_count(model: nn.Module) -> int:

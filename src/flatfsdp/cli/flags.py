@@ -72,6 +72,9 @@ SHARED: dict[str, Flag] = {
                                   kwargs=(("type", int), ("metavar", "N"))),
     "--vocab-size": Flag("token ids the embedding has rows for", old=("--vocab",),
                          kwargs=(("type", int), ("metavar", "N"))),
+    "--untie-embeddings-and-output-weights": Flag(
+        "give the output projection a weight of its own instead of the token embedding's",
+        kwargs=(("action", "store_true"),)),
     "--max-position-embeddings": Flag("rows of the position table (the longest sequence)", old=("--context",),
                                       kwargs=(("type", int), ("metavar", "N"))),
     "--tensor-model-parallel-size": Flag("tensor-parallel ranks inside each data-parallel rank", old=("--tp",),

@@ -72,6 +72,27 @@ class GPTEmbedding(nn.Embedding):
         return embedding_with_handoff(idx, self.weight, grad_handoff)
 
 
+class TokenEmbedding(GPTEmbedding):
+    """The token table: a class of its own, so that a wrapping policy can name
+    it apart from the (small) position table."""
+
+
+class OutputHead(GPTLinear):
+    """The output projection. Given ``targets`` it returns the chunked loss
+    instead of logits; either way the head is *called*, never reached into for
+    its weight, so hooks on it (a wrapper's) see its forward and backward."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean",
+                weight_grad_handoff: WeightGradHandoff | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return chunked_cross_entropy(x, self.weight, targets, reduction=reduction,
+                                     weight_grad_handoff=weight_grad_handoff)
+
+
 def residual_std(n_layer: int) -> float:
     """Projections into the residual stream shrink with depth (GPT-2; the Llama too)."""
     return INIT_STD / math.sqrt(2 * n_layer)
@@ -144,11 +165,11 @@ class GPT(nn.Module):
         if config.recompute not in ("none", "reentrant", "non_reentrant"):
             raise ValueError(f"recompute must be none, reentrant or non_reentrant, got {config.recompute!r}")
         self.config = config
-        self.tok_emb = GPTEmbedding(config.vocab_size, config.d_model)
+        self.tok_emb = TokenEmbedding(config.vocab_size, config.d_model)
         self.pos_emb = GPTEmbedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
-        self.lm_head = GPTLinear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = OutputHead(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
@@ -168,12 +189,10 @@ class GPT(nn.Module):
                 x = block(x)
             else:
                 x = checkpoint(block, x, use_reentrant=self.config.recompute == "reentrant")
-        if targets is None:
-            return self.lm_head(self.ln_f(x))
-        return chunked_cross_entropy(self.ln_f(x), self.lm_head.weight, targets, reduction=reduction,
-                                     weight_grad_handoff=handoff)
+        return self.lm_head(self.ln_f(x), targets, reduction=reduction, weight_grad_handoff=handoff)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Next-token cross entropy in fp32, whatever the compute dtype."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+

@@ -154,13 +154,14 @@ def _messages(group: dist.ProcessGroup, pairs: list, then: list | None = None) -
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, transport: Transport,
-               async_op: bool = False, stream: SideStream | None = None) -> Pending:
+               async_op: bool = False, stream: SideStream | None = None, kind: str = "all_gather") -> Pending:
     """Gather equal shards into ``output``, rank-major. ``shard`` may be
-    ``output``'s own slice: in-place gathers need no staging copy."""
+    ``output``'s own slice: in-place gathers need no staging copy. ``kind``:
+    the account's name for it (a row lookup's ids are not weights)."""
     if algorithm(group, transport) == "exchange":
-        return counted("all_gather", nbytes(output), group, transport, None, async_op,
+        return counted(kind, nbytes(output), group, transport, None, async_op,
                     lambda _: _messages(group, exchange_all_gather(output, shard, group)))
-    return counted("all_gather", nbytes(output), group, transport, stream, async_op,
+    return counted(kind, nbytes(output), group, transport, stream, async_op,
                 lambda a: _handles(group, all_gather_single(output, shard, group=group, async_op=a)))
 
 
@@ -204,11 +205,11 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.Process
 
 
 def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, transport: Transport, async_op: bool = False,
-               stream: SideStream | None = None) -> Pending:
+               stream: SideStream | None = None, kind: str = "all_reduce") -> Pending:
     """Sum ``flat`` over the group, in place. Kept as gloo's own all-reduce even
     where gathers are exchanges: replicas must end bitwise equal, which one
     collective guarantees and per-rank sums in different orders would not."""
-    return counted("all_reduce", nbytes(flat), group, transport, stream, async_op,
+    return counted(kind, nbytes(flat), group, transport, stream, async_op,
                 lambda a: _handles(group, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=a)))
 
 

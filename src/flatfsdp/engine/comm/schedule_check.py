@@ -39,6 +39,11 @@ class ScheduleCheck:
         if self.enabled:
             self._events.append(event)
 
+    def recorded(self) -> tuple[str, ...]:
+        """This step's unit collectives so far, in the order they were issued
+        (empty unless the check is on); what the ranks will compare."""
+        return tuple(self._events)
+
     def check(self, group: dist.ProcessGroup | None, step: int, device: torch.device) -> None:
         """Collective over ``group``: raise ScheduleMismatch on every rank unless
         all ranks recorded the same events since the last check."""

@@ -15,7 +15,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flatfsdp.engine.comm import lookup_rows
 from flatfsdp.engine.comm.coalesce import GatherRequest
+from flatfsdp.engine.comm.gather import GatherPlan
+from flatfsdp.engine.comm.wire import PlainReduce
 from flatfsdp.engine.groups.buffers import GroupBuffers
 from flatfsdp.engine.groups.gradients import GroupGradients
 from flatfsdp.engine.groups.group_core import GroupCore
@@ -182,6 +185,50 @@ class ParamGroup(GroupCore):
             self.mark_synced()
             return None
         return GatherRequest(b.gather_codec, b.pg, then=[self.mark_synced] if kept else [])
+
+    def rows_refusal(self) -> str | None:
+        """Why ``gather_rows`` cannot serve this group (None: it can): one
+        parameter, chunked on dim 0, gathered plainly from a ZeRO-3 shard."""
+        codec = self.buffers.gather_codec
+        if len(self.params) != 1:
+            return f"its group holds {len(self.params)} parameters, not one table"
+        if not isinstance(codec, GatherPlan) or codec.source_in_unsharded:
+            return ("its weights are not gathered plainly from a ZeRO-3 shard (replicated, kept gathered "
+                    "by ZeRO-1/2, low-bit codes or a custom all-gather)")
+        if self.layout.params[0].shard_dim != 0:
+            return f"its table is chunked on dim {self.layout.params[0].shard_dim}, not 0"
+        return None
+
+    def gather_rows(self, ids: torch.Tensor) -> None:
+        """Mark the group gathered, with only the rows ``ids`` (on any rank)
+        hold current in the unsharded buffer (comm/lookup_rows.py); if already
+        gathered, only note the rows. For an embedding's forward, which reads nothing else."""
+        b = self.buffers
+        if self._unsharded:  # gathered whole: every row is here; the rows still count for the reduction
+            self.note_rows(lookup_rows.union_of_ids(ids, b.pg, b.gather_codec))
+            return
+        self._unsharded = True
+        if not self.in_sync():
+            b.gather_codec.refresh()
+            self.mark_synced()
+        b.unsharded.alloc()
+        self.note_rows(lookup_rows.gather_rows(b.gather_codec, 0, ids, b.pg))
+
+    def note_rows(self, rows: torch.Tensor) -> None:
+        """The table's gradient will be nonzero in ``rows`` (too): a row
+        reduction, where the group reduces rows only, sends them."""
+        if isinstance(self.buffers.reduce_codec, lookup_rows.RowsReduce):
+            self.buffers.reduce_codec.note_rows(rows)
+
+    def reduce_rows_only(self, on: bool) -> None:
+        """Reduce the table's gradient as the rows its lookups touched
+        (comm/lookup_rows.RowsReduce) -- where gradients travel plainly; the
+        dense reduction otherwise."""
+        b = self.buffers
+        if on and type(b.reduce_codec) is PlainReduce and self.placement.sharded:
+            b.reduce_codec = lookup_rows.RowsReduce(b.reduce_codec, self.layout, 0, self.index)
+        elif not on and isinstance(b.reduce_codec, lookup_rows.RowsReduce):
+            b.reduce_codec = b.reduce_codec.plain
 
     def refresh_early(self) -> None:
         """A new step begins: start what bringing the gathered weights up to date

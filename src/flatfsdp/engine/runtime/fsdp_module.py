@@ -20,6 +20,7 @@ from flatfsdp.engine.runtime.conversion import adopt_converted
 from flatfsdp.engine.runtime.torch_fsdp2_view import Fsdp2StateView, file_torch_state
 from flatfsdp.engine.comm.user_comms import check_comm
 from flatfsdp.engine.runtime.unit_state import UnitState
+from flatfsdp.engine.runtime.unit_controls import lookup_rows_refusal
 
 
 class UnshardHandle:
@@ -311,6 +312,17 @@ class FSDPModule(TorchFSDPModule):
         """False: this unit's backward does not need its weights (it is not
         gathered for it)."""
         self._flatfsdp_state.controls.unshard_in_backward = unshard_in_backward
+
+    def set_lookup_rows_only(self, lookup_rows_only: bool) -> None:
+        """True, on one ``nn.Embedding`` sharded ZeRO-3: its forward gathers, and its
+        gradient reduction sends, only the rows the ranks' ids touch (docs/fsdp2.md)."""
+        state = self._flatfsdp_state
+        if lookup_rows_only and (reason := lookup_rows_refusal(state)) is not None:
+            raise ValueError(f"set_lookup_rows_only: unit '{state.path or type(self).__name__}' cannot "
+                             f"gather rows only: {reason}")
+        state.controls.lookup_rows_only = bool(lookup_rows_only)
+        for group in state.groups:  # its gradient: only the looked-up rows travel
+            group.reduce_rows_only(bool(lookup_rows_only))
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Start gathering these units when this one's forward starts (instead

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from torch import nn
+
 
 @dataclass
 class UnitControls:
@@ -18,6 +20,10 @@ class UnitControls:
     unshard_in_backward: bool = True
     """False: the backward does not need the weights (e.g. an embedding whose
     gradient needs only its input), so it is not gathered for it."""
+    lookup_rows_only: bool = False
+    """An embedding unit's forward gathers only the rows its input ids touch
+    on any rank (comm/lookup_rows.py), and releases them after; never
+    prefetched. Its gradient reduction sends those rows only."""
     forward_prefetch: list | None = None
     """Units to start gathering when this one runs forward (None: the next in
     the recorded order)."""
@@ -55,3 +61,16 @@ class UnitControls:
     is_last_backward: bool = True
     """Read on the root: False means more microbatches follow before the
     optimizer step, so the backward's end need not wait for its reductions."""
+
+
+def lookup_rows_refusal(state) -> str | None:
+    """Why a unit's forward cannot gather only the rows of its ids (None: it can)."""
+    modules = state.modules
+    if len(modules) != 1 or not isinstance(modules[0], nn.Embedding):
+        return "it is not one nn.Embedding"
+    if modules[0].max_norm is not None:
+        return "max_norm renormalises the looked-up rows in place"
+    if len(state.groups) != 1:
+        return f"it has {len(state.groups)} param groups, not one"
+    refusal = getattr(state.groups[0], "rows_refusal", None)
+    return "its table is a tensor subclass" if refusal is None else refusal()

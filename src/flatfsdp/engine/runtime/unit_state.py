@@ -152,6 +152,21 @@ class UnitState:
         self.unshard(async_op=False)
         self.wait_unshard()
 
+    def _gather_rows(self, args: tuple, kwargs: dict) -> None:
+        """An embedding's forward: only the rows of the ids it is given (and
+        the other ranks are given) travel (set_lookup_rows_only)."""
+        ids = args[0] if args else kwargs["input"]
+        with record_function(self.label("lookup_rows")):
+            gathered = self._swapped_in  # whole, already (a user's unshard): the groups only note the rows
+            if gathered:
+                self.wait_unshard()
+            else:
+                self.ensure_initialized()
+            for group in self.groups:
+                group.gather_rows(ids)
+            if not gathered:
+                self.await_gathers([])
+
     def _prefetch(self, states: list["UnitState"]) -> None:
         """Start gathering these units' weights so they arrive while this unit
         computes (one coalesced launch for all of them)."""
@@ -183,10 +198,14 @@ class UnitState:
                 self.training_state = TrainingState.FORWARD
                 context.record_forward(self)
                 self._forwarded.add(id(module))
-            self._unshard_now()
+            if self.controls.lookup_rows_only and not context.in_backward:
+                self._gather_rows(args, kwargs)
+            else:
+                self._unshard_now()
             if not context.in_backward:
                 explicit = self.controls.forward_prefetch
-                self._prefetch(context.next_in_forward(self) if explicit is None else explicit)
+                self._prefetch([s for s in context.next_in_forward(self) if not s.controls.lookup_rows_only]
+                               if explicit is None else explicit)
             if torch.is_grad_enabled() and any(g.trainable for g in self.groups):
                 args, kwargs = _PostBackward.register(self, args, kwargs)
             if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
@@ -245,6 +264,8 @@ class UnitState:
         needed throughout); so, unless told otherwise, does the unit that ran
         last in the previous step's forward: its backward comes first, so
         releasing it would only gather it again at once."""
+        if self.controls.lookup_rows_only:  # only some rows are there: never kept for others to read
+            return False
         reshard = self.controls.reshard_after_forward
         if reshard is False:
             return True
@@ -262,7 +283,8 @@ class UnitState:
                 if self.controls.unshard_in_backward:
                     self._unshard_now()
                 explicit = self.controls.backward_prefetch
-                self._prefetch(self.context.previous_in_forward(self) if explicit is None else explicit)
+                self._prefetch(_needing_weights_in_backward(self.context.previous_in_forward(self))
+                               if explicit is None else explicit)
         return grad
 
     def needs_post_backward(self) -> bool:
@@ -321,6 +343,13 @@ class UnitState:
         for state in states:
             state.context = context
         return context
+
+
+def _needing_weights_in_backward(states: list[UnitState]) -> list[UnitState]:
+    """Backward prefetch skips a unit whose backward needs no weights
+    (``set_unshard_in_backward(False)``: an embedding lookup's gradient is the
+    incoming gradient scattered into rows); gathering it would only move bytes."""
+    return [s for s in states if s.controls.unshard_in_backward]
 
 
 def unit_states(*modules: nn.Module) -> list[UnitState]:
