@@ -183,6 +183,19 @@ def _options(name: str) -> dict:
     return dict(offload_policy=CPUOffloadPolicy())
 
 
+def _step_losses(model, opt, rank: int, world: int) -> list[float]:
+    """One step per batch of the shared data; the global mean loss of each."""
+    losses = []
+    for x in batches(STEPS):
+        x = local_slice(x, rank, world)
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+    return losses
+
+
 def other_paths_worker(rank, world):
     out = {}
     for name in ("hsdp", "int8", "offload"):
@@ -194,14 +207,7 @@ def other_paths_worker(rank, world):
             model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, **_options(name))
             if split:
                 schedule_embedding_units(model, rows_only=split == "rows")
-            losses = []
-            for x in batches(STEPS):
-                x = local_slice(x, rank, world)
-                loss = model(x[:, :-1], x[:, 1:])
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(global_mean(loss))
+            losses = _step_losses(model, opt, rank, world)
             out[name, split] = losses, full_params(model)
     return out
 
@@ -277,14 +283,7 @@ def hybrid_worker(rank, world):
                                               outer_dp_sharding_strategy=outer)
             if split:
                 schedule_embedding_units(model, rows_only=True)
-            losses = []
-            for x in batches(STEPS):
-                x = local_slice(x, rank, world)
-                loss = model(x[:, :-1], x[:, 1:])
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(global_mean(loss))
+            losses = _step_losses(model, opt, rank, world)
             out[outer, split] = losses
     return out
 
