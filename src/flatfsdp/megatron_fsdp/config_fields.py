@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flatfsdp.engine import MEGATRON_KEYWORDS
 from flatfsdp.megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
 _ANY = object()
@@ -39,35 +40,16 @@ def _refused(default: Any, note: str) -> Field:
     return Field(note, None, default)
 
 
-FIELDS: dict[str, Field] = {
+_READ_HERE: dict[str, Field] = {
     # -- read: they decide what flatfsdp shards and how --
     "data_parallel_sharding_strategy": _passed("zero_dp_strategy", "ZeRO-0..3: no_shard, optim, optim_grads, "
                                                "optim_grads_params"),
     "outer_dp_sharding_strategy": _passed("outer_dp_sharding_strategy", "across dp_outer_dim: no_shard (HSDP) or "
                                           "optim (HFSDP)"),
-    "check_for_nan_in_grad": _passed("report_nan_in_param_grad", "NaN/inf gradients raise NonFiniteError"),
-    "megatron_fsdp_use_decoupled_grad": _passed("use_decoupled_grad", "False; True is refused (only "
-                                                "TransformerEngine's FusedAdam reads decoupled_grad)"),
     "megatron_fsdp_main_params_dtype": Field("the policy's main_params_dtype when no mixed_precision_policy is "
                                              "passed (Megatron-Core's adapter passes one built from these three)"),
     "megatron_fsdp_main_grads_dtype": Field("the policy's main_grads_dtype, as above"),
     "megatron_fsdp_grad_comm_dtype": Field("the policy's grad_comm_dtype, as above"),
-    # -- passed on; the engine accepts them and says why they change nothing (docs/megatron.md) --
-    "overlap_grad_reduce": _passed("overlap_grad_reduce", "reductions always overlap the backward"),
-    "overlap_param_gather": _passed("overlap_param_gather", "gathers always overlap compute; False makes "
-                                    "start_param_sync() bring kept weights up to date at once"),
-    "average_in_collective": _passed("average_in_collective", "reductions sum, then divide once"),
-    "nccl_ub": _passed("nccl_ub", "NCCL user buffers (CUDA)"),
-    "fsdp_double_buffer": _passed("fsdp_double_buffer", "NCCL double buffer (CUDA)"),
-    "fsdp_db_use_persist_buf_on_alloc_fail": _passed("fsdp_db_use_persist_buf_on_alloc_fail",
-                                                     "the NCCL double buffer's fallback (CUDA)"),
-    "disable_symmetric_registration": _passed("disable_symmetric_registration", "NCCL window registration (CUDA)"),
-    "keep_fp8_transpose_cache": _passed("keep_fp8_transpose_cache", "TransformerEngine FP8 weights (CUDA)"),
-    "megatron_fsdp_cuda_graph_mode": _passed("cuda_graph_mode", "CUDA graphs; the .grad views stay the same "
-                                             "tensors across steps anyway"),
-    "megatron_fsdp_enable_fine_grained_param_gather": _passed("enable_fine_grained_param_gather",
-                                                              "a unit is gathered whole; values are the same"),
-    "megatron_fsdp_max_pool_double_buffer": _passed("maxpool_double_buffer", "the NCCL double buffer's pool (CUDA)"),
     # -- not read: what they configure does not exist in flatfsdp, or is decided elsewhere --
     "bucket_size": Field("Megatron-FSDP's bucket is an FSDP unit; flatfsdp coalesces small collectives up to its "
                          "own bucket size (the disable_bucketing argument turns that off)"),
@@ -100,6 +82,14 @@ FIELDS: dict[str, Field] = {
     "reuse_grad_buf_for_mxfp8_param_ag": _refused(False, "TransformerEngine MXFP8 weights (CUDA)"),
     "delay_wgrad_compute": _refused(False, "TransformerEngine's delayed weight-gradient hook (CUDA)"),
 }
+
+_AS_KEYWORDS: dict[str, Field] = {k.ddp_field: Field(k.reads or k.no_op, k.name)
+                                  for k in MEGATRON_KEYWORDS if k.ddp_field is not None}
+"""The fields a ``fully_shard_model`` keyword sets as given: taken from the
+engine's keyword table (its ``ddp_field``), not written here again; the
+engine says how each is read or why it changes nothing."""
+
+FIELDS: dict[str, Field] = {**_AS_KEYWORDS, **_READ_HERE}
 
 
 def keywords_from_config(config: Any) -> dict[str, Any]:
