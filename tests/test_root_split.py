@@ -3,7 +3,10 @@ table and output head are sharding units of their own. The head, last in
 forward, is gathered while the blocks run and its gradient reduced first in
 backward; the token table's last; the root keeps only the position table and
 the final norm. Same arithmetic as one root lump: the same losses, bit for bit,
-and the same bytes; tied weights keep the root lump (one parameter, one unit).
+and the same bytes. A tied table and head are one unit of two modules (one
+parameter, one unit); with row lookups its forward fetches the ids' rows, the
+whole table travels for the head while the blocks run, and the head's
+gradient is reduced first, dense, the lookup's rows last.
 """
 
 from __future__ import annotations
@@ -49,16 +52,21 @@ def _one_call(tied: bool, split: bool | str, strategy: str):
     (embedding units, the token table's forward gathering only its rows)."""
     model = _model(tied)
     opt = make_optimizer("adamw", model.named_parameters())
-    units = [TransformerBlock] + ([type(m) for m in embedding_units(model)] if split else [])
+    units = [TransformerBlock] + (_classes(embedding_units(model, tied_unit=True)) if split else [])
     model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, zero_dp_strategy=strategy)
     if split:
         schedule_embedding_units(model, rows_only=split == "rows")
     return model, opt
 
 
+def _classes(units: list) -> list[type]:
+    """The one-call form's names for these units (a tied pair: both classes; the door makes them one unit)."""
+    return list(dict.fromkeys(type(m) for u in units for m in (u if isinstance(u, list) else [u])))
+
+
 def _per_module(tied: bool, split: bool | str, strategy: str):
     model = _model(tied)
-    for unit in list(model.blocks) + (embedding_units(model) if split else []):
+    for unit in list(model.blocks) + (embedding_units(model, tied_unit=True) if split else []):
         flatfsdp.fully_shard(unit)
     flatfsdp.fully_shard(model)
     if split:
@@ -99,8 +107,7 @@ def split_worker(rank, world):
         out["reference", tied] = ref_losses
         runs = [("one_call", split, tied, s) for split in (False, True) for s in STRATEGIES]
         runs.append(("per_module", True, tied, "optim_grads_params"))
-        if not tied:  # a tied table is the root's: no unit of its own to look rows up in
-            runs += [(door, "rows", tied, "optim_grads_params") for door in ("one_call", "per_module")]
+        runs += [(door, "rows", tied, "optim_grads_params") for door in ("one_call", "per_module")]
         for door, split, _, strategy in runs:
             build = _one_call if door == "one_call" else _per_module
             result = _train(*build(tied, split, strategy), rank, world, data)
@@ -158,8 +165,8 @@ def test_root_keeps_only_the_position_table_and_final_norm(results):
     big = numel["tok_emb.weight"] + numel["lm_head.weight"]
     for door in ("one_call", "per_module"):
         assert results[0][door, True, False, "optim_grads_params"]["root_numel"] == small
-        # Tied: one parameter, so the root keeps it (and the lookup/head split does not apply).
-        assert results[0][door, True, True, "optim_grads_params"]["root_numel"] == small + numel["tok_emb.weight"]
+        # Tied: one parameter, held by the unit of the table and the head.
+        assert results[0][door, True, True, "optim_grads_params"]["root_numel"] == small
     assert results[0]["one_call", False, False, "optim_grads_params"]["root_numel"] == small + big
 
 
@@ -248,6 +255,36 @@ def test_token_lookup_gathers_and_reduces_only_the_rows_of_the_batch(results, do
         assert _reductions(rows["events"])[0] == "lm_head"
 
 
+@pytest.mark.parametrize("door", ["one_call", "per_module"])
+def test_tied_table_looks_up_rows_and_reduces_the_head_first(results, door):
+    """A tied table and head, one unit, with row lookups: the lookup fetches
+    the ids' rows; the whole table is gathered once, for the head, on its way
+    before the last block runs; the weight's gradient is reduced twice -- the
+    head's, dense, first of all, the lookup's rows last before the root. A
+    reduction is linear, so the two sum to the lump's gradient (in another
+    order: close, not bit for bit)."""
+    numel, lump = results[0]["numel"], results[0]["one_call", False, True, "optim_grads_params"]
+    distinct = torch.cat([r["last_ids"].reshape(-1) for r in results]).unique().numel()
+    width = CFG.d_model
+    assert 0 < distinct < CFG.vocab_size
+    for rank in results:
+        rows = rank[door, "rows", True, "optim_grads_params"]
+        assert max(abs(a - b) for a, b in zip(rows["losses"], lump["losses"])) < 1e-5
+        assert rows["param_diff"] < 1e-5
+        comm = rows["comm"]
+        assert comm["lookup_rows"] == {"count": 1, "bytes": distinct * width * 4}
+        assert comm["reduce_rows"] == {"count": 1, "bytes": distinct * width * 4}
+        # The table whole once (for the head), its dense gradient once (the head's): the lump's bytes, plus the rows.
+        assert comm["all_gather"]["bytes"] == lump["comm"]["all_gather"]["bytes"]
+        assert comm["reduce_scatter"]["bytes"] == lump["comm"]["reduce_scatter"]["bytes"]
+        assert numel["tok_emb.weight"] * 4 <= comm["reduce_scatter"]["bytes"]
+        reductions = _reductions(rows["events"])
+        assert reductions[0] == "tok_emb, lm_head", reductions
+        assert reductions[-2:] == ["tok_emb, lm_head", "<root>"], reductions
+        assert all(r.startswith("blocks.") for r in reductions[1:-2]), reductions
+        assert rows["head_gathered"] is True
+
+
 def refusal_worker(rank, world):
     out = {}
     model = _model(False)
@@ -265,7 +302,7 @@ def refusal_worker(rank, world):
 
 def test_lookup_rows_only_refuses_what_it_cannot_serve():
     out = run_ranks(refusal_worker, 2)[0]
-    assert "unit 'blocks.0' cannot gather rows only: it is not one nn.Embedding" in out["block"]
+    assert "unit 'blocks.0' cannot gather rows only: it holds 0 nn.Embedding modules, not one" in out["block"]
     assert "unit 'tok_emb' cannot gather rows only" in out["zero1"] and "ZeRO-3" in out["zero1"]
 
 

@@ -103,7 +103,7 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
               if cfg.bf16 else None)
     lowbit = dict(param_gather_dtype=cfg.param_gather_dtype,
                   grad_reduce_dtype=None if cfg.grad_reduce_dtype == "fp32" else cfg.grad_reduce_dtype)
-    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=unit_classes(model),
+    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=unit_classes(model, cfg.tied_unit),
                                             zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy,
                                             **lowbit, **mesh)
     # Row lookups read a ZeRO-3 shard gathered plainly (not low-bit codes).

@@ -60,6 +60,10 @@ class BenchConfig:
     untied: bool = False
     """The GPT's output projection has a weight of its own; the token table
     and the head are then FSDP units of their own (bench/workload.py, embedding_units)."""
+    tied_unit: bool = False
+    """flatfsdp: a tied token table and output head are one unit of their own,
+    not the root's (ZeRO-3: the lookup fetches rows, the head's gradient is
+    reduced first; bench/workload.py, embedding_units). FSDP2 keeps them in the root."""
     context: int = 256
     """Rows of the position table, fixed so both presets train the same model."""
     seq_len: int = 256
@@ -145,6 +149,9 @@ def add_model_flags(p: argparse.ArgumentParser, d: BenchConfig) -> None:
               note="the output projection is tied to the embedding unless --untie-embeddings-and-output-weights")
     flags.add(p, "--untie-embeddings-and-output-weights", dest="untied",
               note="the bench's GPT; the token table and the head are then FSDP units of their own")
+    p.add_argument("--tied-embedding-unit", dest="tied_unit", action="store_true",
+                   help="flatfsdp: the tied token table and output head are one unit of their own, not the root's; "
+                        "under ZeRO-3 the lookup fetches only its ids' rows and the head's gradient is reduced first")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -241,7 +248,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.untied and PRESET_MODELS.get(args.preset, "gpt") != "gpt":
         raise SystemExit("--untie-embeddings-and-output-weights applies to the GPT, not --preset gpu's Llama")
     return BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
-                       untied=args.untied, context=context, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                       untied=args.untied, tied_unit=args.tied_unit, context=context, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                        nprocs=args.nprocs, threads_per_rank=args.threads_per_rank, bf16=args.bf16,
                        grad_reduce_dtype=args.grad_reduce_dtype, param_gather_dtype=args.param_gather_dtype,
                        strategy=args.strategy, contenders=names,

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from flatfsdp.bench.options import PRESETS, BenchConfig, add_model_flags
-from flatfsdp.bench.workload import build_model, build_optimizer, device, make_batches
+from flatfsdp.bench.workload import (build_model, build_optimizer, device, make_batches, schedule_embedding_units,
+                                     unit_classes)
 from flatfsdp.cli import flags
-from flatfsdp.models.gpt import TransformerBlock
 
 WAITS = ("flatfsdp::wait_unshard", "flatfsdp::wait_reductions")
 
@@ -37,8 +37,9 @@ def trace_rank(cfg: BenchConfig, out: str, warmup: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg).to(device())
     optimizer = build_optimizer(model.parameters(), cfg)
-    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=[TransformerBlock],
+    model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=unit_classes(model, cfg.tied_unit),
                                             zero_dp_strategy=cfg.strategy)
+    schedule_embedding_units(model, rows_only=cfg.strategy == "optim_grads_params")
     batches = make_batches(cfg, rank, world, device())
     for x, y in batches[:warmup]:
         _step(model, optimizer, x, y)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = dict(PRESETS[args.preset])
     shape["seq_len"] = min(shape["seq_len"], args.context)
     cfg = BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
-                      untied=args.untied, context=args.context, nprocs=args.nprocs, strategy=args.strategy, steps=1,
+                      untied=args.untied, tied_unit=args.tied_unit, context=args.context, nprocs=args.nprocs, strategy=args.strategy, steps=1,
                       warmup=args.warmup, preset=args.preset, **shape)
     from flatfsdp.launch import launch
     result = launch(trace_rank, cfg.nprocs, cfg, args.out, args.warmup)

@@ -35,39 +35,45 @@ def build_model(cfg: BenchConfig) -> nn.Module:
     return Llama(llama_config(cfg)) if cfg.model == "llama" else GPT(gpt_config(cfg))
 
 
-def embedding_units(model: GPT) -> list[nn.Module]:
+def embedding_units(model: GPT, tied_unit: bool = False) -> list[nn.Module | list[nn.Module]]:
     """The token table and the output head, where each may be a sharding unit
-    of its own: untied only (a tied weight is one parameter, owned by one unit,
-    the root). Apart from the root, the head is gathered while the blocks run
+    of its own. Apart from the root, the head is gathered while the blocks run
     and its gradient reduced at the start of backward, not with the root at
-    the end; the root keeps only the position table and the final norm."""
+    the end; the root keeps only the position table and the final norm. A
+    tied weight is one parameter: with ``tied_unit`` the table and the head
+    are one unit of two modules (``fully_shard([tok_emb, lm_head])``; the
+    one-call form makes the same unit of the two classes), else the root's."""
     if model.lm_head.weight is model.tok_emb.weight:
-        return []
+        return [[model.tok_emb, model.lm_head]] if tied_unit else []
     return [model.tok_emb, model.lm_head]
 
 
-def unit_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules every sharding contender makes units below the root, bottom-up:
-    the blocks, and an untied GPT's token table and output head (models/gpt.py)."""
-    extra = embedding_units(model) if isinstance(model, GPT) else []
+def unit_modules(model: nn.Module, tied_unit: bool = False) -> list[nn.Module | list[nn.Module]]:
+    """The units every sharding contender makes below the root, bottom-up: the
+    blocks, and the GPT's embedding units (``embedding_units``; a list is one
+    unit of several modules)."""
+    extra = embedding_units(model, tied_unit) if isinstance(model, GPT) else []
     return list(model.blocks) + extra
 
 
-def unit_classes(model: nn.Module) -> list[type]:
+def unit_classes(model: nn.Module, tied_unit: bool = False) -> list[type]:
     """``unit_modules`` as the one-call front door's ``fsdp_unit_modules`` names them."""
-    return list(dict.fromkeys(type(m) for m in unit_modules(model)))
+    modules = [m for unit in unit_modules(model, tied_unit) for m in (unit if isinstance(unit, list) else [unit])]
+    return list(dict.fromkeys(type(m) for m in modules))
 
 
 def schedule_embedding_units(model: nn.Module, rows_only: bool = False) -> None:
     """After sharding ``unit_modules`` (either engine: FSDP2's unit controls).
     The token table's backward needs no weights (a lookup's gradient is the
-    incoming gradient scattered into rows): not gathered for it. The head now
+    incoming gradient scattered into rows), nor does the head's (the chunked
+    loss made its gradients in forward): not gathered for it. The head now
     runs last in forward, so the last block keeps its weights from forward to
     backward, as it does when it runs last: no extra gather per step.
     ``rows_only`` (flatfsdp, ZeRO-3 with plain gathers): the token table's
-    forward gathers only the rows of the batch's ids (``set_lookup_rows_only``)."""
-    if not (isinstance(model, GPT) and embedding_units(model)):
-        return
+    forward gathers only the rows of the batch's ids (``set_lookup_rows_only``;
+    a tied unit then gathers the whole table for the head while the blocks run)."""
+    if not (isinstance(model, GPT) and hasattr(model.tok_emb, "set_unshard_in_backward")):
+        return  # the root's: no unit of their own
     model.tok_emb.set_unshard_in_backward(False)
     model.blocks[-1].set_reshard_after_forward(False)
     if rows_only:

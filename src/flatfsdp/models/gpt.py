@@ -189,7 +189,11 @@ class GPT(nn.Module):
                 x = block(x)
             else:
                 x = checkpoint(block, x, use_reentrant=self.config.recompute == "reentrant")
-        return self.lm_head(self.ln_f(x), targets, reduction=reduction, weight_grad_handoff=handoff)
+        # A sharding engine may give the head a leaf of its own viewing the
+        # shared weight (flatfsdp's row lookups), so that the head's gradient
+        # arrives apart from the lookup's: then it goes to that leaf, not through the handoff.
+        shared = handoff if self.lm_head.weight is self.tok_emb.weight else None
+        return self.lm_head(self.ln_f(x), targets, reduction=reduction, weight_grad_handoff=shared)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -66,7 +66,10 @@ class RowsReduce:
 
     The rows are noted by every forward since the last reduction (their
     union: microbatches accumulate); without any (a forward that gathered
-    the table whole), the reduction is the plain dense one. Synchronous: it
+    the table whole), the reduction is the plain dense one. So is one whose
+    gradients include a dense one (a tied output head's, which reaches the
+    engine on a leaf of its own: param_group._install_faces); where that came
+    alone, the lookup's rows are kept for the reduction after. Synchronous: it
     is the step's last reduction and small, and a host-side scatter must land
     before HSDP's replica all-reduce reads the shard."""
 
@@ -74,6 +77,7 @@ class RowsReduce:
         self.plain, self.transport = plain, plain.transport
         self.p, self.rank = layout.params[index], rank
         self._rows: torch.Tensor | None = None
+        self._lookup = self._dense = False
 
     @property
     def key(self):
@@ -86,10 +90,20 @@ class RowsReduce:
         """A forward looked up ``rows`` (the same on every rank)."""
         self._rows = rows if self._rows is None else torch.cat([self._rows, rows]).unique()
 
+    def note_accumulated(self, *, lookup: bool, dense: bool) -> None:
+        """What the accumulation about to be reduced holds: the lookup's
+        gradient (rows only), a dense one (a tied head's), or both."""
+        self._lookup |= lookup
+        self._dense |= dense
+
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, *,
                        async_op: bool, stream, average: bool = False) -> collectives.Pending:
+        lookup, dense = self._lookup, self._dense
+        self._lookup = self._dense = False
+        if dense and not lookup:  # a tied head's gradient alone: the rows are the next reduction's
+            return self.plain.reduce_scatter(output, flat, group, async_op=async_op, stream=stream, average=average)
         rows, self._rows = self._rows, None
-        if rows is None:
+        if rows is None or dense:
             return self.plain.reduce_scatter(output, flat, group, async_op=async_op, stream=stream, average=average)
         p, world = self.p, group.size()
         width = p.numel // p.shape[0]

@@ -27,13 +27,15 @@ from flatfsdp.engine.layout.buffer import FlatBuffer
 class GroupGradients:
     def __init__(self, buffers: GradientBuffers, slots: list[ParamSlot], params: list[nn.Parameter],
                  sharded_params: list[nn.Parameter], grad_dtensors: list[DTensor],
-                 bound_optimizers: weakref.WeakSet):
+                 bound_optimizers: weakref.WeakSet, faces: list | None = None):
         """``params`` and ``sharded_params`` are the group's own lists (it
         updates them in place); ``grad_dtensors[i]`` views parameter i's part
         of the main grads, placed as its sharded parameter."""
         self.buffers, self.slots, self.params = buffers, slots, params
         self.sharded_params, self.grad_dtensors = sharded_params, grad_dtensors
         self.bound_optimizers = bound_optimizers
+        self.faces = faces if faces is not None else []
+        """The group's (index, leaf) faces of a row-lookup table (param_group), shared."""
         self.delivered = 0
         """Reductions delivered so far (an unbound optimizer may have stepped after each)."""
         self._accum: FlatBuffer | None = None
@@ -60,7 +62,8 @@ class GroupGradients:
         if not self.trainable:
             return False
         pairs = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
-        if not pairs and not include_unused:
+        faced = [(i, face.grad) for i, face in self.faces if face.grad is not None]
+        if not pairs and not faced and not include_unused:
             return False
         fresh = self._accum is None
         if fresh:
@@ -78,9 +81,22 @@ class GroupGradients:
                 self._zero_unwritten(self._accum, {i for i, _ in pairs})
             if dst:
                 (torch._foreach_copy_ if fresh else torch._foreach_add_)(dst, src)
+            if faced:  # after the copy (or the zeroing of slots nothing was copied into): summed in
+                face_dst, face_src = [], []
+                for i, grad in faced:
+                    face_dst += destinations[i]
+                    face_src += views.grad_sources(local_grad(grad, self.slots[i].tp), layout.params[i])
+                torch._foreach_add_(face_dst, face_src)
+        note = getattr(self.buffers.reduce_codec, "note_accumulated", None)
+        if note is not None:
+            note(lookup=bool(pairs), dense=bool(faced))
         for i, _ in pairs:
             self._used[i] = True
             self.params[i].grad = None
+        for i, face in self.faces:
+            if face.grad is not None:
+                self._used[i] = True
+                face.grad = None
         if include_unused:  # a parameter frozen since sharding stays without a gradient (as in FSDP2)
             self._used = [used or p.requires_grad for used, p in zip(self._used, self.params)]
         return True

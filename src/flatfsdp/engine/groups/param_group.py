@@ -68,6 +68,9 @@ class ParamGroup(GroupCore):
                                     compute_dtype=self.compute_dtype, main_dtype=self.main_dtype,
                                     reduce_dtype=self.reduce_dtype, trainable=self.trainable, home=home,
                                     wire=wire, grads_dtype=policy.grads_dtype(original) if self.trainable else None)
+        self.faces: list[tuple[int, nn.Parameter]] = []
+        """(parameter index, leaf) registered where a row-lookup table is used
+        by a module that is not an embedding (see ``use_unsharded_params``)."""
         if fill:
             self._fill_from_params()
         self.gradients = self._make_views()
@@ -107,7 +110,8 @@ class ParamGroup(GroupCore):
                 grad_dtensors.append(DTensor.from_local(grad, mesh, placements, **spec))
         if not self.placement.keep_model_weights:
             b.unsharded.free()
-        return GroupGradients(b, self.slots, self.params, self.sharded_params, grad_dtensors, self.bound_optimizers)
+        return GroupGradients(b, self.slots, self.params, self.sharded_params, grad_dtensors, self.bound_optimizers,
+                              faces=self.faces)
 
     def _compute_param(self, index: int) -> nn.Parameter:
         view = views.unsharded_param(self.buffers.unsharded.data, self.layout.params[index])
@@ -214,6 +218,12 @@ class ParamGroup(GroupCore):
         b.unsharded.alloc()
         self.note_rows(lookup_rows.gather_rows(b.gather_codec, 0, ids, b.pg))
 
+    def forget_rows(self) -> None:
+        """Only looked-up rows are current in the unsharded buffer and another
+        module of the unit needs the whole table: the next ``gather_request``
+        gathers it whole (into the same storage, the source already current)."""
+        self._unsharded = False
+
     def note_rows(self, rows: torch.Tensor) -> None:
         """The table's gradient will be nonzero in ``rows`` (too): a row
         reduction, where the group reduces rows only, sends them."""
@@ -253,3 +263,26 @@ class ParamGroup(GroupCore):
 
     def use_unsharded_params(self) -> None:
         self.install(self.params)
+
+    def install_faces(self) -> None:
+        """A row-lookup table that a module other than an embedding also
+        registers (a tied output head) gets a leaf of its own there, viewing
+        the same gathered storage, until the next release. Autograd then
+        delivers that module's gradient on its own, when its backward makes
+        it: reduced dense and early, apart from the lookup's, which is nonzero
+        only in the looked-up rows and reduced as those rows, last
+        (comm/lookup_rows.RowsReduce). The faces outlive the release: their
+        gradients arrive in backward."""
+        self.faces.clear()
+        if not isinstance(self.buffers.reduce_codec, lookup_rows.RowsReduce):
+            return
+        for index, slot in enumerate(self.slots):
+            param = self.params[index]
+            for module, attr in slot.locations:
+                if not isinstance(module, nn.Embedding):
+                    face = nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+                    module._parameters[attr] = face
+                    self.faces.append((index, face))
+
+    def grad_leaves(self) -> list[nn.Parameter]:
+        return self.params + [face for _, face in self.faces]

@@ -23,7 +23,11 @@ class UnitControls:
     lookup_rows_only: bool = False
     """An embedding unit's forward gathers only the rows its input ids touch
     on any rank (comm/lookup_rows.py), and releases them after; never
-    prefetched. Its gradient reduction sends those rows only."""
+    prefetched. Its gradient reduction sends those rows only. In a unit that
+    also holds a module reading the whole table (a tied output head), the
+    whole table is gathered once the lookup is done, while the modules
+    between compute, and that module's gradient is reduced on its own,
+    dense, as soon as its backward makes it; the lookup's rows come last."""
     forward_prefetch: list | None = None
     """Units to start gathering when this one runs forward (None: the next in
     the recorded order)."""
@@ -65,10 +69,10 @@ class UnitControls:
 
 def lookup_rows_refusal(state) -> str | None:
     """Why a unit's forward cannot gather only the rows of its ids (None: it can)."""
-    modules = state.modules
-    if len(modules) != 1 or not isinstance(modules[0], nn.Embedding):
-        return "it is not one nn.Embedding"
-    if modules[0].max_norm is not None:
+    tables = [m for m in state.modules if isinstance(m, nn.Embedding)]
+    if len(tables) != 1:
+        return f"it holds {len(tables)} nn.Embedding modules, not one"
+    if tables[0].max_norm is not None:
         return "max_norm renormalises the looked-up rows in place"
     if len(state.groups) != 1:
         return f"it has {len(state.groups)} param groups, not one"

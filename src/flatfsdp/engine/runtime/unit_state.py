@@ -51,6 +51,8 @@ class UnitState:
         self.paths = [""] * len(modules)
         """Each module's name in the model the outermost fully_shard call sharded."""
         self._swapped_in = False
+        self._rows_only = False
+        """Gathered are only the rows a lookup needed (set_lookup_rows_only), not the whole table."""
         self._gathers: list = []
         self._forwarded: set[int] = set()
         """Modules of a grouped unit whose forward ran in the current root forward."""
@@ -146,7 +148,7 @@ class UnitState:
             for group in self.groups:
                 group.reshard(free_storage=not self.controls.keep_unsharded_storage, keep_codes=keep_codes)
                 group.use_sharded_params()
-            self._swapped_in = False
+            self._swapped_in = self._rows_only = False
 
     def _unshard_now(self) -> None:
         self.unshard(async_op=False)
@@ -166,6 +168,26 @@ class UnitState:
                 group.gather_rows(ids)
             if not gathered:
                 self.await_gathers([])
+                self._rows_only = True
+
+    def _gather_whole(self, async_op: bool) -> None:
+        """A module of a row-lookup unit that reads the whole table (a tied
+        output head): the rows the lookup left give way to the whole gather,
+        into the same storage."""
+        split = self._rows_only
+        if split:
+            self.wait_unshard()
+            for group in self.groups:
+                group.forget_rows()
+            self._swapped_in = self._rows_only = False
+        self.unshard(async_op)
+        if split and torch.is_grad_enabled():  # that module's gradient reaches the engine on its own
+            for group in self.groups:
+                group.install_faces()
+
+    def _looks_up_rows(self, module: nn.Module, context: RootContext) -> bool:
+        """This module's forward is a lookup that needs only its ids' rows."""
+        return self.controls.lookup_rows_only and not context.in_backward and isinstance(module, nn.Embedding)
 
     def _prefetch(self, states: list["UnitState"]) -> None:
         """Start gathering these units' weights so they arrive while this unit
@@ -198,10 +220,11 @@ class UnitState:
                 self.training_state = TrainingState.FORWARD
                 context.record_forward(self)
                 self._forwarded.add(id(module))
-            if self.controls.lookup_rows_only and not context.in_backward:
+            if self._looks_up_rows(module, context):
                 self._gather_rows(args, kwargs)
             else:
-                self._unshard_now()
+                self._gather_whole(async_op=False)
+                self.wait_unshard()
             if not context.in_backward:
                 explicit = self.controls.forward_prefetch
                 self._prefetch([s for s in context.next_in_forward(self) if not s.controls.lookup_rows_only]
@@ -219,9 +242,13 @@ class UnitState:
             if not context.in_backward:
                 if not self._others_still_to_run(context):
                     self.finish_forward(context)
+                elif self._rows_only and context.training_forward:
+                    # Another module needs the whole table (a tied head runs
+                    # last): it travels while the modules between compute.
+                    self._gather_whole(async_op=True)
                 if self.is_root:
                     context.after_root_forward()
-            if grad:
+            if grad and not self._looks_up_rows(module, context):  # a lookup's backward needs no weights
                 for tensor in tensors_in(output):
                     if tensor.requires_grad:
                         tensor.register_hook(self._pre_backward)
@@ -264,7 +291,7 @@ class UnitState:
         needed throughout); so, unless told otherwise, does the unit that ran
         last in the previous step's forward: its backward comes first, so
         releasing it would only gather it again at once."""
-        if self.controls.lookup_rows_only:  # only some rows are there: never kept for others to read
+        if self._rows_only:  # only some rows are there: never kept for others to read
             return False
         reshard = self.controls.reshard_after_forward
         if reshard is False:
@@ -288,7 +315,7 @@ class UnitState:
         return grad
 
     def needs_post_backward(self) -> bool:
-        return self._swapped_in or any(p.grad is not None for g in self.groups for p in g.params)
+        return self._swapped_in or any(p.grad is not None for g in self.groups for p in g.grad_leaves())
 
     def post_backward(self, *, defer_reduction: bool = False) -> None:
         """Autograd's gradients into the accumulation buffer; reduced now if
@@ -349,7 +376,7 @@ def _needing_weights_in_backward(states: list[UnitState]) -> list[UnitState]:
     """Backward prefetch skips a unit whose backward needs no weights
     (``set_unshard_in_backward(False)``: an embedding lookup's gradient is the
     incoming gradient scattered into rows); gathering it would only move bytes."""
-    return [s for s in states if s.controls.unshard_in_backward]
+    return [s for s in states if s.controls.unshard_in_backward and not s.controls.lookup_rows_only]
 
 
 def unit_states(*modules: nn.Module) -> list[UnitState]:
