@@ -285,6 +285,67 @@ def test_tied_table_looks_up_rows_and_reduces_the_head_first(results, door):
         assert rows["head_gathered"] is True
 
 
+def head_first_worker(rank, world):
+    """Four blocks, a tied unit with row lookups: the schedule of the second step."""
+    os.environ["FLATFSDP_CHECK_SCHEDULE"] = "1"
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CFG, tie_embeddings=True, n_layer=4))
+    for unit in list(model.blocks) + embedding_units(model, tied_unit=True):
+        flatfsdp.fully_shard(unit)
+    flatfsdp.fully_shard(model)
+    schedule_embedding_units(model, rows_only=True)
+    opt = make_optimizer("adamw", model.named_parameters())
+    for x in batches(2):
+        x = local_slice(x, rank, world)
+        model(x[:, :-1], x[:, 1:]).backward()
+        events = model._flatfsdp_state.context.schedule.recorded()
+        opt.step()
+        opt.zero_grad()
+    return events
+
+
+def test_tied_head_reduction_goes_behind_the_first_backward_gathers():
+    """The head's whole gradient, first in backward, would sit on the link in
+    front of the gathers the next blocks' backward needs: those are issued
+    first (the last block stayed gathered from forward)."""
+    for events in run_ranks(head_first_worker, 2):
+        first = next(i for i, e in enumerate(events) if e.startswith("the gradient reduction"))
+        assert events[first] == "the gradient reduction of unit 'tok_emb, lm_head'", events
+        before = [e for e in events[:first] if e.startswith("the backward gather")]
+        assert before == ["the backward gather of unit 'blocks.2'", "the backward gather of unit 'blocks.1'"], events
+
+
+def paced_worker(rank, world):
+    """The tied table's whole gather, paced: one slice posted per pump, the
+    rest on wait, the table whole and exact at the end."""
+    model, opt = _per_module(True, "rows", "optim_grads_params")
+    x = local_slice(batches(1)[0], rank, world)
+    model(x[:, :-1], x[:, 1:]).backward()  # everything initialised, the table's shard current
+    opt.step()
+    whole = full_params(model)["tok_emb.weight"]
+    state = model.tok_emb._flatfsdp_state
+    group = state.groups[0]
+    state.unshard()
+    state.wait_unshard()
+    state.reshard()
+    group.gather_rows(x[:, :-1])
+    group.forget_rows()
+    paced = group.gather_paced(4, "test")
+    table = group.params[0]
+    posted = [paced.posted_all]
+    for _ in range(3):
+        paced.pump()
+        posted.append(paced.posted_all)
+    paced.wait()
+    return dict(posted=posted, exact=torch.equal(table.detach(), whole), all_posted=paced.posted_all)
+
+
+def test_paced_gather_posts_a_slice_per_pump_and_lands_the_whole_table():
+    for out in run_ranks(paced_worker, 2):
+        assert out["posted"] == [False, False, False, False]  # 4 slices: 3 pumps leave one
+        assert out["all_posted"] and out["exact"]
+
+
 def refusal_worker(rank, world):
     out = {}
     model = _model(False)

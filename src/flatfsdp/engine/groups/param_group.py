@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from flatfsdp.engine.comm import lookup_rows
 from flatfsdp.engine.comm.coalesce import GatherRequest
 from flatfsdp.engine.comm.gather import GatherPlan
+from flatfsdp.engine.comm.paced_gather import PacedGather
 from flatfsdp.engine.comm.wire import PlainReduce
 from flatfsdp.engine.groups.buffers import GroupBuffers
 from flatfsdp.engine.groups.gradients import GroupGradients
@@ -217,6 +218,14 @@ class ParamGroup(GroupCore):
             self.mark_synced()
         b.unsharded.alloc()
         self.note_rows(lookup_rows.gather_rows(b.gather_codec, 0, ids, b.pg))
+
+    def gather_paced(self, slices: int, label: str) -> PacedGather:
+        """After ``gather_rows`` (the source current): the whole table, in
+        ``slices`` slices its caller posts one at a time (comm/paced_gather.py)."""
+        b = self.buffers
+        self._unsharded = True
+        b.unsharded.alloc()
+        return PacedGather(b.gather_codec, 0, b.pg, slices, label)
 
     def forget_rows(self) -> None:
         """Only looked-up rows are current in the unsharded buffer and another

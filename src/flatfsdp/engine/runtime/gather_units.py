@@ -32,6 +32,9 @@ def gather_units(states: list, async_op: bool) -> None:
         pendings = coalesce.gather(requests, async_op=async_op, bucket_bytes=todo[0].options.bucket_bytes,
                                    stream=context.gather_stream if context is not None else None)
         phase = "backward gather" if context is not None and context.in_backward else "forward gather"
+        if phase == "backward gather" and context.schedule.enabled:  # forward gathers: record_forward
+            for state in todo:
+                context.schedule.record(f"the backward gather of unit '{state.path or '<root>'}'")
         for pending, owner in zip(pendings, owners):
             if not pending.label.startswith("unit"):  # bucket members share one Pending: name the first
                 pending.label = f"unit '{owner.path or '<root>'}': {phase} {pending.label}"

@@ -76,6 +76,8 @@ class RootContext:
         # prefetch) and the last complete step's (for forward prefetch).
         self._order: list["ScheduledUnit"] = []
         self._last_order: list["ScheduledUnit"] = []
+        self._paced: list = []
+        """Paced transfers with slices still to post (``pace``)."""
         self.manual_finalization_active: bool | None = None
         """The root's ``manual_backward_finalization`` as it was when this
         backward began (fixed until the iteration is finalized); None between iterations."""
@@ -178,6 +180,7 @@ class RootContext:
         self.root_forward_running = self.in_backward = False
         self.manual_finalization_active = None
         self.reduction_pending = False
+        self._paced = []  # each unit's release waits for (and so posts) what it left
         for state in self.states:
             state.forget_forward()
             state.reshard()
@@ -226,6 +229,29 @@ class RootContext:
             self._order.append(state)
             if self.schedule.enabled:
                 self.schedule.record(f"the forward gather of unit '{state.path or '<root>'}'")
+
+    def first_in_backward(self) -> bool:
+        """No unit has finished its backward yet in this backward."""
+        return not any(s.training_state == TrainingState.POST_BACKWARD for s in self.states)
+
+    def last_in_forward(self, count: int) -> list["ScheduledUnit"]:
+        """The last ``count`` units of this step's forward, the last first (the order backward needs them)."""
+        return self._order[::-1][:count]
+
+    def units_after_in_forward(self, state: "ScheduledUnit") -> int:
+        """How many units ran their forward after ``state`` in the last complete step (0: unknown)."""
+        order = self._last_order
+        return len(order) - order.index(state) - 1 if state in order else 0
+
+    def pace(self, transfers: list) -> None:
+        """Transfers posted a slice at a time, at each unit's forward (comm/paced_gather.py)."""
+        self._paced += transfers
+
+    def pump_paced(self) -> None:
+        if self._paced:
+            for transfer in self._paced:
+                transfer.pump()
+            self._paced = [t for t in self._paced if not t.posted_all]
 
     def next_in_forward(self, state: "ScheduledUnit") -> list["ScheduledUnit"]:
         return _ahead(self._last_order, state, +1, self.prefetch_bytes)

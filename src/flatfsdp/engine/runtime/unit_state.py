@@ -173,14 +173,21 @@ class UnitState:
     def _gather_whole(self, async_op: bool) -> None:
         """A module of a row-lookup unit that reads the whole table (a tied
         output head): the rows the lookup left give way to the whole gather,
-        into the same storage."""
+        into the same storage -- started right after the lookup, it is paced,
+        a slice at each unit's forward (comm/paced_gather.py)."""
         split = self._rows_only
         if split:
             self.wait_unshard()
             for group in self.groups:
                 group.forget_rows()
             self._swapped_in = self._rows_only = False
-        self.unshard(async_op)
+        if split and async_op:
+            slices = max(1, self.context.units_after_in_forward(self))
+            paced = [group.gather_paced(slices, f"unit '{self.path}': forward gather (paced)") for group in self.groups]
+            self.await_gathers(paced)
+            self.context.pace(paced)
+        else:
+            self.unshard(async_op)
         if split and torch.is_grad_enabled():  # that module's gradient reaches the engine on its own
             for group in self.groups:
                 group.install_faces()
@@ -229,6 +236,7 @@ class UnitState:
                 explicit = self.controls.forward_prefetch
                 self._prefetch([s for s in context.next_in_forward(self) if not s.controls.lookup_rows_only]
                                if explicit is None else explicit)
+                context.pump_paced()  # after this unit's prefetch: a slice of a paced gather
             if torch.is_grad_enabled() and any(g.trainable for g in self.groups):
                 args, kwargs = _PostBackward.register(self, args, kwargs)
             if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
@@ -321,9 +329,16 @@ class UnitState:
         """Autograd's gradients into the accumulation buffer; reduced now if
         gradient sync is on (and the reduction not deferred to ``finalize_backward``)."""
         with record_function(self.label("post_backward")):
+            self.context.on_backward_start()  # a unit's backward ran: the backward has begun (idempotent)
+            head_first = self.controls.lookup_rows_only and self.context.first_in_backward()
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
                 group.accumulate_grads(self.controls.reduce_scatter_unused_params)
+            if head_first:
+                # A tied head's whole gradient, first thing in backward: its
+                # reduction would sit on the link in front of the gathers the
+                # next units' backward needs. They go first.
+                self._prefetch(_needing_weights_in_backward(self.context.last_in_forward(HEAD_START_UNITS)))
             if not defer_reduction:
                 self.reduce_accumulated()
             if self.controls.reshard_after_backward:
@@ -370,6 +385,12 @@ class UnitState:
         for state in states:
             state.context = context
         return context
+
+
+HEAD_START_UNITS = 3
+"""Units gathered before a tied head's early reduction: the last to run
+forward -- kept gathered or gathered first in backward -- and the two before
+it, whose backward then covers the head's transfer."""
 
 
 def _needing_weights_in_backward(states: list[UnitState]) -> list[UnitState]:

@@ -1,0 +1,78 @@
+"""A row-lookup table gathered whole for a module that reads it later in the
+same forward (a tied output head), in slices of rows posted one at a time.
+
+Why slices: messages between a pair of ranks leave in the order they were
+posted. A table of tens of MB posted whole sits in front of every block's
+gather posted after it, and on a slow link the next block then waits for the
+whole table. Posted a slice at each unit's forward (after that unit's own
+prefetch), the table takes the link time the blocks' compute leaves free, and
+a block's gather waits for one slice at most. Waiting for the table (the
+head's forward) posts what is left at once.
+
+Each rank's chunk is a run of whole rows (dim 0), so slice j of every chunk
+is contiguous at both ends: it is sent from the rank's chunk of the gather
+source and received straight into the unsharded buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch.distributed as dist
+
+from flatfsdp.engine.comm.comm_account import comm_account
+from flatfsdp.engine.comm.exchange import post_messages
+from flatfsdp.engine.comm.gather import GatherPlan
+from flatfsdp.engine.comm.watchdog import wait_works
+from flatfsdp.engine.layout import views
+from flatfsdp.engine.layout.views import same_start
+
+
+class PacedGather:
+    """Parameter ``index`` of ``plan``, whole, in ``slices`` slices: ``pump``
+    posts the next, ``wait`` posts the rest and waits (a pending gather)."""
+
+    def __init__(self, plan: GatherPlan, index: int, group: dist.ProcessGroup, slices: int, label: str):
+        p = plan.layout.params[index]
+        world, me = group.size(), group.rank()
+        width = p.numel // p.shape[0]
+        full = views.unsharded_param(plan.unsharded, p).view(p.shape[0], width)
+        starts = [p.chunk_start(r) for r in range(world)]
+        lengths = [p.chunk_length(r) for r in range(world)]
+        mine = full[starts[me]:starts[me] + lengths[me]]
+        if lengths[me]:
+            local = views.local_chunk(plan.source, p, me).reshape(lengths[me], width)
+            if not same_start(mine, local):
+                mine.copy_(local)
+        step = max(1, math.ceil(max(lengths) / max(1, slices)))
+        peers = [r for r in range(world) if r != me]
+        self._pieces = []
+        for first in range(0, max(lengths), step):
+            sends = [(peer, mine[first:first + step]) for peer in peers if first < lengths[me]]
+            recvs = [(peer, full[starts[peer] + first:starts[peer] + min(first + step, lengths[peer])])
+                     for peer in peers if first < lengths[peer]]
+            self._pieces.append((sends, recvs))
+        self.group, self.label, self.timeout_s = group, label, plan.transport.timeout_s
+        self._works: list = []
+        comm_account().add("all_gather", p.numel * full.element_size(), "world")
+
+    @property
+    def posted_all(self) -> bool:
+        return not self._pieces
+
+    def pump(self) -> None:
+        """Post the next slice (nothing once all are posted)."""
+        if self._pieces:
+            sends, recvs = self._pieces.pop(0)
+            self._works += post_messages(sends, recvs, self.group)
+
+    def wait(self) -> None:
+        while self._pieces:
+            self.pump()
+        works, self._works = self._works, []
+        if works:
+            start = time.perf_counter()
+            wait_works([w for w, _ in works], [peer for _, peer in works], self.group, self.label, self.timeout_s)
+            comm_account().add_wait("all_gather", time.perf_counter() - start)
+
