@@ -38,7 +38,7 @@ LAYERS = {
     "groups.replicas": 5, "groups.group_core": 5,
     "groups.buffers": 6, "groups.gradients": 7, "groups.subclass_buffers": 7,
     "groups.param_group": 8, "groups.subclass_group": 8,
-    "runtime.training_state": 0, "runtime.unit_controls": 0, "runtime.structures": 1, "runtime.host_memory": 1,
+    "runtime.training_state": 0, "runtime.unit_controls": 0, "runtime.structures": 1, "runtime.unit_hooks": 2, "runtime.host_memory": 1,
     "runtime.nonfinite_flag": 1, "runtime.class_swap": 0, "runtime.deferred_init": 1, "runtime.gather_units": 5,
     "runtime.root_context": 9, "runtime.unit_state": 9, "runtime.fsdp_module": 9, "runtime.meta_init": 9,
     "runtime.tied_params": 9, "runtime.state_dict": 9, "runtime.stale_optimizers": 9, "runtime.conversion": 9,

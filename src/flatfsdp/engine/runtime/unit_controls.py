@@ -78,3 +78,16 @@ def lookup_rows_refusal(state) -> str | None:
         return f"it has {len(state.groups)} param groups, not one"
     refusal = getattr(state.groups[0], "rows_refusal", None)
     return "its table is a tensor subclass" if refusal is None else refusal()
+
+
+def needing_weights_in_backward(states: list) -> list:
+    """Backward prefetch skips a unit whose backward needs no weights
+    (``set_unshard_in_backward(False)``: an embedding lookup's gradient is the
+    incoming gradient scattered into rows); gathering it would only move bytes."""
+    return [s for s in states if s.controls.unshard_in_backward and not s.controls.lookup_rows_only]
+
+
+HEAD_START_UNITS = 3
+"""Units gathered before a tied head's early reduction: the last to run
+forward -- kept gathered or gathered first in backward -- and the two before
+it, whose backward then covers the head's transfer."""

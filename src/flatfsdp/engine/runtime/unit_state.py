@@ -24,8 +24,9 @@ from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
 from flatfsdp.engine.runtime.deferred_init import DeferredInit
 from flatfsdp.engine.runtime.gather_units import gather_units
 from flatfsdp.engine.runtime.root_context import RootContext
-from flatfsdp.engine.runtime.structures import map_tensors, replace_tensors, tensors_in
-from flatfsdp.engine.runtime.unit_controls import UnitControls
+from flatfsdp.engine.runtime.structures import tensors_in
+from flatfsdp.engine.runtime.unit_controls import HEAD_START_UNITS, UnitControls, needing_weights_in_backward
+from flatfsdp.engine.runtime.unit_hooks import PostBackward, cast_floating
 from flatfsdp.engine.runtime.training_state import TrainingState
 
 
@@ -171,10 +172,8 @@ class UnitState:
                 self._rows_only = True
 
     def _gather_whole(self, async_op: bool) -> None:
-        """A module of a row-lookup unit that reads the whole table (a tied
-        output head): the rows the lookup left give way to the whole gather,
-        into the same storage -- started right after the lookup, it is paced,
-        a slice at each unit's forward (comm/paced_gather.py)."""
+        """The rows a lookup left give way to the whole table (a tied head
+        reads it); started after the lookup, paced (comm/paced_gather.py)."""
         split = self._rows_only
         if split:
             self.wait_unshard()
@@ -192,8 +191,7 @@ class UnitState:
             for group in self.groups:
                 group.install_faces()
 
-    def _looks_up_rows(self, module: nn.Module, context: RootContext) -> bool:
-        """This module's forward is a lookup that needs only its ids' rows."""
+    def _looks_up_rows(self, module: nn.Module, context: RootContext) -> bool:  # needing only its ids' rows
         return self.controls.lookup_rows_only and not context.in_backward and isinstance(module, nn.Embedding)
 
     def _prefetch(self, states: list["UnitState"]) -> None:
@@ -238,9 +236,9 @@ class UnitState:
                                if explicit is None else explicit)
                 context.pump_paced()  # after this unit's prefetch: a slice of a paced gather
             if torch.is_grad_enabled() and any(g.trainable for g in self.groups):
-                args, kwargs = _PostBackward.register(self, args, kwargs)
+                args, kwargs = PostBackward.register(self, args, kwargs)
             if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
-                args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
+                args, kwargs = cast_floating((args, kwargs), self.policy.param_dtype)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -261,7 +259,7 @@ class UnitState:
                     if tensor.requires_grad:
                         tensor.register_hook(self._pre_backward)
             if self.policy.output_dtype is not None:
-                output = _cast_floating(output, self.policy.output_dtype)
+                output = cast_floating(output, self.policy.output_dtype)
         return output
 
     def _others_still_to_run(self, context: RootContext) -> bool:
@@ -318,7 +316,7 @@ class UnitState:
                 if self.controls.unshard_in_backward:
                     self._unshard_now()
                 explicit = self.controls.backward_prefetch
-                self._prefetch(_needing_weights_in_backward(self.context.previous_in_forward(self))
+                self._prefetch(needing_weights_in_backward(self.context.previous_in_forward(self))
                                if explicit is None else explicit)
         return grad
 
@@ -338,7 +336,7 @@ class UnitState:
                 # A tied head's whole gradient, first thing in backward: its
                 # reduction would sit on the link in front of the gathers the
                 # next units' backward needs. They go first.
-                self._prefetch(_needing_weights_in_backward(self.context.last_in_forward(HEAD_START_UNITS)))
+                self._prefetch(needing_weights_in_backward(self.context.last_in_forward(HEAD_START_UNITS)))
             if not defer_reduction:
                 self.reduce_accumulated()
             if self.controls.reshard_after_backward:
@@ -387,19 +385,6 @@ class UnitState:
         return context
 
 
-HEAD_START_UNITS = 3
-"""Units gathered before a tied head's early reduction: the last to run
-forward -- kept gathered or gathered first in backward -- and the two before
-it, whose backward then covers the head's transfer."""
-
-
-def _needing_weights_in_backward(states: list[UnitState]) -> list[UnitState]:
-    """Backward prefetch skips a unit whose backward needs no weights
-    (``set_unshard_in_backward(False)``: an embedding lookup's gradient is the
-    incoming gradient scattered into rows); gathering it would only move bytes."""
-    return [s for s in states if s.controls.unshard_in_backward and not s.controls.lookup_rows_only]
-
-
 def unit_states(*modules: nn.Module) -> list[UnitState]:
     """The runtime of every sharded unit in these modules' trees (themselves
     included), each once (a grouped unit is reached through each of its modules)."""
@@ -413,36 +398,3 @@ def unit_states(*modules: nn.Module) -> list[UnitState]:
             if state is not None:
                 found.setdefault(id(state), state)
     return list(found.values())
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on the unit's inputs whose backward runs once gradients reach
-    them, i.e. once the unit's own backward (parameter gradients included,
-    since autograd runs gradient accumulation first) is done."""
-
-    @staticmethod
-    def forward(ctx, state: UnitState, *tensors: torch.Tensor):
-        ctx.state = state
-        return tensors if len(tensors) != 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.state.post_backward()
-        return (None, *grads)
-
-    @staticmethod
-    def register(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-        if not inputs:
-            return args, kwargs
-        outs = _PostBackward.apply(state, *inputs)
-        outs = (outs,) if isinstance(outs, torch.Tensor) else outs
-        return replace_tensors((args, kwargs), iter(outs), lambda t: t.requires_grad)
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-    return map_tensors(cast, tree)
