@@ -370,28 +370,43 @@ def test_lookup_rows_only_refuses_what_it_cannot_serve():
 def hybrid_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     out = {}
-    for outer in ("no_shard", "optim"):  # HSDP, HFSDP over 2 x 2 ranks
-        for split in (False, "rows"):
-            model = _model(False)
-            opt = make_optimizer("adamw", model.named_parameters())
-            units = [TransformerBlock] + ([type(m) for m in embedding_units(model)] if split else [])
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
-            model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, device_mesh=mesh,
-                                              dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
-                                              outer_dp_sharding_strategy=outer)
-            if split:
-                schedule_embedding_units(model, rows_only=True)
-            losses = _step_losses(model, opt, rank, world)
-            out[outer, split] = losses
+    for tied in (False, True):
+        for outer in ("no_shard", "optim"):  # HSDP, HFSDP over 2 x 2 ranks
+            for split in (False, "rows"):
+                model = _model(tied)
+                opt = make_optimizer("adamw", model.named_parameters())
+                units = [TransformerBlock] + (_classes(embedding_units(model, tied_unit=True)) if split else [])
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+                model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, device_mesh=mesh,
+                                                  dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                                                  outer_dp_sharding_strategy=outer)
+                if split:
+                    schedule_embedding_units(model, rows_only=True)
+                flatfsdp.comm_account().reset()
+                losses = _step_losses(model, opt, rank, world)
+                out[tied, outer, split] = losses, flatfsdp.comm_account().snapshot()
     return out
 
 
 def test_row_lookups_under_hsdp_and_hfsdp_at_four_ranks():
     """Rows are looked up within each replica's shard group; HFSDP's outer
-    gather brings the shard up to date first. The lump's losses, exactly."""
+    gather brings the shard up to date first. Untied: the lump's losses,
+    exactly; tied (the head's gradient and the lookup's rows reduced apart):
+    close. Under HSDP a row reduction's sum across replicas sends only rows
+    too: the outer all-reduce carries the table's shard once (the head's
+    gradient), not twice."""
     out = run_ranks(hybrid_worker, 4)[0]
     for outer in ("no_shard", "optim"):
-        assert out[outer, "rows"] == out[outer, False], outer
+        assert out[False, outer, "rows"][0] == out[False, outer, False][0], outer
+        tied, lump = out[True, outer, "rows"][0], out[True, outer, False][0]
+        assert max(abs(a - b) for a, b in zip(tied, lump)) < 1e-5, outer
+    table = CFG.vocab_size * CFG.d_model * 4 // 2  # a shard of the table, fp32 (counted over the STEPS steps)
+    for tied in (False, True):
+        split, lump = out[tied, "no_shard", "rows"][1], out[tied, "no_shard", False][1]
+        # Untied: the table's outer share is its rows only; tied: the head's dense share stays, the rows add.
+        expected = lump["all_reduce"]["bytes"] - (STEPS * table if not tied else 0)
+        assert split["all_reduce"]["bytes"] == expected, (tied, split, lump)
+        assert split["reduce_rows"]["count"] == 2 * STEPS  # inner and across replicas, each step
 
 
 def accumulation_worker(rank, world):

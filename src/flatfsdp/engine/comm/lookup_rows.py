@@ -20,8 +20,9 @@ from flatfsdp.engine.comm.gather import GatherPlan
 from flatfsdp.engine.layout import views
 
 
-def union_of_ids(ids: torch.Tensor, group: dist.ProcessGroup, plan: GatherPlan) -> torch.Tensor:
-    """The sorted distinct ids over every rank of ``group`` (ranks may hold different counts)."""
+def union_of_ids(ids: torch.Tensor, group: dist.ProcessGroup, plan) -> torch.Tensor:
+    """The sorted distinct ids over every rank of ``group`` (ranks may hold different counts);
+    ``plan``: anything with the ``transport`` to move them."""
     mine = ids.reshape(-1).to(torch.int64).unique()
     counts = torch.zeros(group.size(), dtype=torch.int64, device=mine.device)
     collectives.all_gather(counts, torch.tensor([mine.numel()], device=mine.device), group, plan.transport,
@@ -78,6 +79,8 @@ class RowsReduce:
         self.p, self.rank = layout.params[index], rank
         self._rows: torch.Tensor | None = None
         self._lookup = self._dense = False
+        self._landed: tuple | None = None
+        """(output, the chunk's rows written) of the last row reduction, for HSDP's all-reduce after it."""
 
     @property
     def key(self):
@@ -100,6 +103,7 @@ class RowsReduce:
                        async_op: bool, stream, average: bool = False) -> collectives.Pending:
         lookup, dense = self._lookup, self._dense
         self._lookup = self._dense = False
+        self._landed = None  # whatever follows now also holds this reduction's sums
         if dense and not lookup:  # a tied head's gradient alone: the rows are the next reduction's
             return self.plain.reduce_scatter(output, flat, group, async_op=async_op, stream=stream, average=average)
         rows, self._rows = self._rows, None
@@ -115,8 +119,24 @@ class RowsReduce:
         output.zero_()
         mine = owner == self.rank
         output[p.local_offset:p.local_offset + p.chunk * width].view(p.chunk, width)[offset[mine]] = picked[mine]
+        self._landed = (output, offset[mine])
         return collectives.Pending([], group=group)
 
     def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False,
                    stream=None) -> collectives.Pending:
-        return self.plain.all_reduce(flat, group, async_op=async_op, stream=stream)
+        """HSDP's sum across replicas. After a row reduction only the rows
+        this shard holds are nonzero, so only those travel: the replicas
+        (each the same shard of its own copy) share which rows they hold --
+        they looked up different ids -- and all-reduce the union of them,
+        each contributing zeros where it had none."""
+        landed, self._landed = self._landed, None
+        if landed is None or landed[0] is not flat:
+            return self.plain.all_reduce(flat, group, async_op=async_op, stream=stream)
+        p = self.p
+        width = p.numel // p.shape[0]
+        chunk = flat[p.local_offset:p.local_offset + p.chunk * width].view(p.chunk, width)
+        rows = union_of_ids(landed[1], group, self)
+        picked = chunk[rows]
+        collectives.all_reduce(picked, group, self.transport, async_op=True, kind="reduce_rows").wait()
+        chunk[rows] = picked
+        return collectives.Pending([], group=group)
