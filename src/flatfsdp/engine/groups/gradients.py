@@ -76,17 +76,25 @@ class GroupGradients:
         for i, grad in pairs:
             dst += destinations[i]
             src += views.grad_sources(local_grad(grad, self.slots[i].tp), layout.params[i])
+        # A face's gradient is copied where nothing else wrote its slot in a
+        # fresh buffer (no zeroing first), else summed in after the copies.
+        copied = {i for i, _ in pairs}
+        face_copy, face_add = ([], []), ([], [])
+        for i, grad in faced:
+            first = fresh and i not in copied
+            copied.add(i)
+            into = face_copy if first else face_add
+            into[0].extend(destinations[i])
+            into[1].extend(views.grad_sources(local_grad(grad, self.slots[i].tp), layout.params[i]))
         with torch.no_grad():
             if fresh:
-                self._zero_unwritten(self._accum, {i for i, _ in pairs})
+                self._zero_unwritten(self._accum, copied)
             if dst:
                 (torch._foreach_copy_ if fresh else torch._foreach_add_)(dst, src)
-            if faced:  # after the copy (or the zeroing of slots nothing was copied into): summed in
-                face_dst, face_src = [], []
-                for i, grad in faced:
-                    face_dst += destinations[i]
-                    face_src += views.grad_sources(local_grad(grad, self.slots[i].tp), layout.params[i])
-                torch._foreach_add_(face_dst, face_src)
+            if face_copy[0]:
+                torch._foreach_copy_(*face_copy)
+            if face_add[0]:
+                torch._foreach_add_(*face_add)
         note = getattr(self.buffers.reduce_codec, "note_accumulated", None)
         if note is not None:
             note(lookup=bool(pairs), dense=bool(faced))
