@@ -297,10 +297,15 @@ def head_first_worker(rank, world):
     opt = make_optimizer("adamw", model.named_parameters())
     for x in batches(2):
         x = local_slice(x, rank, world)
-        model(x[:, :-1], x[:, 1:]).backward()
+        with torch.no_grad():  # an eval forward between steps: rows, then the whole table, no faces
+            evaluated = model(x[:, :-1], x[:, 1:])
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
         events = model._flatfsdp_state.context.schedule.recorded()
         opt.step()
         opt.zero_grad()
+        assert torch.equal(evaluated, loss.detach()), (evaluated, loss)
+    assert model.lm_head.weight is model.tok_emb.weight  # released: one parameter again
     return events
 
 
