@@ -22,6 +22,9 @@ class PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        # A unit's backward ran, so the backward has begun, whether or not a
+        # pre-backward hook saw it first (a tied head's gradient can come first).
+        ctx.state.context.on_backward_start()
         ctx.state.post_backward()
         return (None, *grads)
 

@@ -327,7 +327,6 @@ class UnitState:
         """Autograd's gradients into the accumulation buffer; reduced now if
         gradient sync is on (and the reduction not deferred to ``finalize_backward``)."""
         with record_function(self.label("post_backward")):
-            self.context.on_backward_start()  # a unit's backward ran: the backward has begun (idempotent)
             head_first = self.controls.lookup_rows_only and self.context.first_in_backward()
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
