@@ -140,6 +140,13 @@ class BenchConfig:
         return cls(**{**values, "contenders": tuple(values["contenders"])})
 
 
+def add_tied_unit_flag(p: argparse.ArgumentParser) -> None:
+    """For the commands that shard the bench's units (the bench, bench.trace)."""
+    p.add_argument("--tied-embedding-unit", dest="tied_unit", action="store_true",
+                   help="flatfsdp: the tied token table and output head are one unit of their own, not the root's; "
+                        "under ZeRO-3 the lookup fetches only its ids' rows and the head's gradient is reduced first")
+
+
 def add_model_flags(p: argparse.ArgumentParser, d: BenchConfig) -> None:
     """The bench GPT's shape, under the names every command gives it (also for bench.trace, bench.save_stall)."""
     flags.add(p, "--num-layers", dest="layers", default=d.layers, note="each one FSDP unit")
@@ -149,9 +156,6 @@ def add_model_flags(p: argparse.ArgumentParser, d: BenchConfig) -> None:
               note="the output projection is tied to the embedding unless --untie-embeddings-and-output-weights")
     flags.add(p, "--untie-embeddings-and-output-weights", dest="untied",
               note="the bench's GPT; the token table and the head are then FSDP units of their own")
-    p.add_argument("--tied-embedding-unit", dest="tied_unit", action="store_true",
-                   help="flatfsdp: the tied token table and output head are one unit of their own, not the root's; "
-                        "under ZeRO-3 the lookup fetches only its ids' rows and the head's gradient is reduced first")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -163,6 +167,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    "4x256 (default: large-batch; --micro-batch-size / --seq-length override it); gpu: a 1.2B "
                    "Llama, 4x4096, bf16, one GPU (bench/gpu_preset.py; a flag given overrides what it chose)")
     add_model_flags(p, d)
+    add_tied_unit_flag(p)
     flags.add(p, "--max-position-embeddings", dest="context", default=None,
               default_text="max(256, --seq-length), so both presets train the same model")
     flags.add(p, "--seq-length", dest="seq_len", default=None, default_text="the preset's")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from flatfsdp.bench.options import PRESETS, BenchConfig, add_model_flags
+from flatfsdp.bench.options import PRESETS, BenchConfig, add_model_flags, add_tied_unit_flag
 from flatfsdp.bench.workload import (build_model, build_optimizer, device, make_batches, schedule_embedding_units,
                                      unit_classes)
 from flatfsdp.cli import flags
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = flags.CommandParser(prog="python -m flatfsdp.bench.trace", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small-batch", help="micro batch x tokens")
     add_model_flags(parser, BenchConfig())
+    add_tied_unit_flag(parser)
     flags.add(parser, "--max-position-embeddings", dest="context", default=BenchConfig.context)
     flags.add(parser, "--nproc-per-node", dest="nprocs", default=2)
     flags.add(parser, "--data-parallel-sharding-strategy", dest="strategy", type=flags.parse_strategy,
