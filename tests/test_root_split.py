@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flatfsdp
-from flatfsdp.bench.workload import embedding_units, schedule_embedding_units
+from flatfsdp.bench.workload import embedding_units, schedule_embedding_units, unit_classes
 from flatfsdp.models.gpt import GPT, TransformerBlock
 from harness import run_ranks
 from training import CFG, batches, full_params, global_mean, local_slice, make_optimizer, max_diff
@@ -52,16 +52,11 @@ def _one_call(tied: bool, split: bool | str, strategy: str):
     (embedding units, the token table's forward gathering only its rows)."""
     model = _model(tied)
     opt = make_optimizer("adamw", model.named_parameters())
-    units = [TransformerBlock] + (_classes(embedding_units(model, tied_unit=True)) if split else [])
+    units = unit_classes(model, tied_unit=True) if split else [TransformerBlock]
     model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, zero_dp_strategy=strategy)
     if split:
         schedule_embedding_units(model, rows_only=split == "rows")
     return model, opt
-
-
-def _classes(units: list) -> list[type]:
-    """The one-call form's names for these units (a tied pair: both classes; the door makes them one unit)."""
-    return list(dict.fromkeys(type(m) for u in units for m in (u if isinstance(u, list) else [u])))
 
 
 def _per_module(tied: bool, split: bool | str, strategy: str):
@@ -210,7 +205,7 @@ def other_paths_worker(rank, world):
         for split in (False, True) + (() if name == "int8" else ("rows",)):
             model = _model(False)
             opt = make_optimizer("adamw", model.named_parameters())
-            units = [TransformerBlock] + ([type(m) for m in embedding_units(model)] if split else [])
+            units = unit_classes(model) if split else [TransformerBlock]
             model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, **_options(name))
             if split:
                 schedule_embedding_units(model, rows_only=split == "rows")
@@ -380,7 +375,7 @@ def hybrid_worker(rank, world):
             for split in (False, "rows"):
                 model = _model(tied)
                 opt = make_optimizer("adamw", model.named_parameters())
-                units = [TransformerBlock] + (_classes(embedding_units(model, tied_unit=True)) if split else [])
+                units = unit_classes(model, tied_unit=True) if split else [TransformerBlock]
                 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
                 model, opt = flatfsdp.fully_shard(model, opt, fsdp_unit_modules=units, device_mesh=mesh,
                                                   dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",

@@ -253,7 +253,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.untied and PRESET_MODELS.get(args.preset, "gpt") != "gpt":
         raise SystemExit("--untie-embeddings-and-output-weights applies to the GPT, not --preset gpu's Llama")
     return BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
-                       untied=args.untied, tied_unit=args.tied_unit, context=context, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                       untied=args.untied, tied_unit=args.tied_unit, context=context, steps=args.steps,
+                       warmup=args.warmup, repeats=args.repeats,
                        nprocs=args.nprocs, threads_per_rank=args.threads_per_rank, bf16=args.bf16,
                        grad_reduce_dtype=args.grad_reduce_dtype, param_gather_dtype=args.param_gather_dtype,
                        strategy=args.strategy, contenders=names,

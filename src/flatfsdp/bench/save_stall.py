@@ -120,7 +120,8 @@ def main(argv=None) -> dict:
     flags.add(p, "--nproc-per-node", dest="nprocs", default=2)
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     a = flags.parse_or_exit(p.parse_args, argv, p.prog)
-    cfg = BenchConfig(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab, untied=a.untied, batch=1, seq_len=64,
+    cfg = BenchConfig(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab, untied=a.untied,
+                      batch=1, seq_len=64,
                       steps=16, warmup=0)
     root = a.dir or tempfile.mkdtemp(prefix="flatfsdp-save-stall-")
     try:

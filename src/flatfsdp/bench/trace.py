@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape = dict(PRESETS[args.preset])
     shape["seq_len"] = min(shape["seq_len"], args.context)
     cfg = BenchConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, vocab=args.vocab,
-                      untied=args.untied, tied_unit=args.tied_unit, context=args.context, nprocs=args.nprocs, strategy=args.strategy, steps=1,
+                      untied=args.untied, tied_unit=args.tied_unit, context=args.context, nprocs=args.nprocs,
+                      strategy=args.strategy, steps=1,
                       warmup=args.warmup, preset=args.preset, **shape)
     from flatfsdp.launch import launch
     result = launch(trace_rank, cfg.nprocs, cfg, args.out, args.warmup)

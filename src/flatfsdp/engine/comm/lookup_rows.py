@@ -18,20 +18,20 @@ import torch.distributed as dist
 from flatfsdp.engine.comm import collectives
 from flatfsdp.engine.comm.gather import GatherPlan
 from flatfsdp.engine.layout import views
+from flatfsdp.engine.layout.switches import Transport
 
 
-def union_of_ids(ids: torch.Tensor, group: dist.ProcessGroup, plan) -> torch.Tensor:
-    """The sorted distinct ids over every rank of ``group`` (ranks may hold different counts);
-    ``plan``: anything with the ``transport`` to move them."""
+def union_of_ids(ids: torch.Tensor, group: dist.ProcessGroup, transport: Transport) -> torch.Tensor:
+    """The sorted distinct ids over every rank of ``group`` (ranks may hold different counts)."""
     mine = ids.reshape(-1).to(torch.int64).unique()
     counts = torch.zeros(group.size(), dtype=torch.int64, device=mine.device)
-    collectives.all_gather(counts, torch.tensor([mine.numel()], device=mine.device), group, plan.transport,
+    collectives.all_gather(counts, torch.tensor([mine.numel()], device=mine.device), group, transport,
                            kind="lookup_ids").wait()
     longest = int(counts.max())
     padded = torch.full((longest,), -1, dtype=torch.int64, device=mine.device)
     padded[:mine.numel()] = mine
     everyone = torch.empty(group.size() * longest, dtype=torch.int64, device=mine.device)
-    collectives.all_gather(everyone, padded, group, plan.transport, kind="lookup_ids").wait()
+    collectives.all_gather(everyone, padded, group, transport, kind="lookup_ids").wait()
     return everyone[everyone >= 0].unique()
 
 
@@ -43,7 +43,7 @@ def gather_rows(plan: GatherPlan, index: int, ids: torch.Tensor, group: dist.Pro
     p = plan.layout.params[index]
     if p.shard_dim != 0:
         raise ValueError(f"a row lookup needs the table chunked on dim 0, not dim {p.shard_dim}")
-    needed = union_of_ids(ids, group, plan).to(plan.device)
+    needed = union_of_ids(ids, group, plan.transport).to(plan.device)
     width, rank = p.numel // p.shape[0], plan.rank
     table = torch.zeros(needed.numel(), width, dtype=plan.dtype, device=plan.device)
     start, length = p.chunk_start(rank), p.chunk_length(rank)
@@ -69,7 +69,7 @@ class RowsReduce:
     union: microbatches accumulate); without any (a forward that gathered
     the table whole), the reduction is the plain dense one. So is one whose
     gradients include a dense one (a tied output head's, which reaches the
-    engine on a leaf of its own: param_group._install_faces); where that came
+    engine on a leaf of its own: ParamGroup.install_faces); where that came
     alone, the lookup's rows are kept for the reduction after. Synchronous: it
     is the step's last reduction and small, and a host-side scatter must land
     before HSDP's replica all-reduce reads the shard."""
@@ -104,9 +104,9 @@ class RowsReduce:
         lookup, dense = self._lookup, self._dense
         self._lookup = self._dense = False
         self._landed = None  # whatever follows now also holds this reduction's sums
-        if dense and not lookup:  # a tied head's gradient alone: the rows are the next reduction's
-            return self.plain.reduce_scatter(output, flat, group, async_op=async_op, stream=stream, average=average)
-        rows, self._rows = self._rows, None
+        rows = None
+        if lookup or not dense:  # the lookup's gradient goes now (a tied head's alone: its rows wait)
+            rows, self._rows = self._rows, None
         if rows is None or dense:
             return self.plain.reduce_scatter(output, flat, group, async_op=async_op, stream=stream, average=average)
         p, world = self.p, group.size()
@@ -135,7 +135,7 @@ class RowsReduce:
         p = self.p
         width = p.numel // p.shape[0]
         chunk = flat[p.local_offset:p.local_offset + p.chunk * width].view(p.chunk, width)
-        rows = union_of_ids(landed[1], group, self)
+        rows = union_of_ids(landed[1], group, self.transport)
         picked = chunk[rows]
         collectives.all_reduce(picked, group, self.transport, async_op=True, kind="reduce_rows").wait()
         chunk[rows] = picked

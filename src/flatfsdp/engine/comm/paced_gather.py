@@ -17,14 +17,13 @@ source and received straight into the unsharded buffer.
 from __future__ import annotations
 
 import math
-import time
 
 import torch.distributed as dist
 
+from flatfsdp.engine.comm.collectives import Pending, dim_name
 from flatfsdp.engine.comm.comm_account import comm_account
 from flatfsdp.engine.comm.exchange import post_messages
 from flatfsdp.engine.comm.gather import GatherPlan
-from flatfsdp.engine.comm.watchdog import wait_works
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.views import same_start
 
@@ -55,7 +54,7 @@ class PacedGather:
             self._pieces.append((sends, recvs))
         self.group, self.label, self.timeout_s = group, label, plan.transport.timeout_s
         self._works: list = []
-        comm_account().add("all_gather", p.numel * full.element_size(), "world")
+        comm_account().add("all_gather", p.numel * full.element_size(), dim_name(group))
 
     @property
     def posted_all(self) -> bool:
@@ -71,8 +70,6 @@ class PacedGather:
         while self._pieces:
             self.pump()
         works, self._works = self._works, []
-        if works:
-            start = time.perf_counter()
-            wait_works([w for w, _ in works], [peer for _, peer in works], self.group, self.label, self.timeout_s)
-            comm_account().add_wait("all_gather", time.perf_counter() - start)
+        Pending([w for w, _ in works], peers=[peer for _, peer in works], group=self.group, label=self.label,
+                timeout_s=self.timeout_s, kind="all_gather").wait()  # timed, and a missing peer named
 

@@ -17,10 +17,11 @@ from flatfsdp.engine.front.megatron_model import adopt_megatron_members
 from flatfsdp.engine.front.optimizer import fully_shard_optimizer
 from flatfsdp.engine.front.shard_unit import is_expert, replica_groups, shard_unit
 from flatfsdp.engine.front.spmd_mesh import check_spmd_params
-from flatfsdp.engine.front.tied_units import tied_unit_groups, used_outside
+from flatfsdp.engine.front.tied_units import tied_unit_groups
 from flatfsdp.engine.front.unit_classes import resolve_unit_classes
 from flatfsdp.engine.layout.mesh import mesh_device
 from flatfsdp.engine.layout.options import ShardOptions
+from flatfsdp.engine.runtime.tied_params import params_used_outside
 
 _P = inspect.Parameter
 _MODULE = _P("module", _P.POSITIONAL_OR_KEYWORD, annotation="nn.Module | list[nn.Module]")
@@ -124,7 +125,7 @@ def _units_bottom_up(model: nn.Module, classes: tuple[type, ...]) -> list[Unit]:
     names = {id(m): n for n, m in model.named_modules()}
     inner = [m for m in model.modules() if m is not model and classes and isinstance(m, classes)]
     units = [Unit(group if len(group) > 1 else group[0], ", ".join(names[id(m)] for m in group),
-                  used_outside(group, model))
+                  params_used_outside(group, model))
              for group in reversed(tied_unit_groups(model, inner))]  # unit modules tied to each other: one unit
     return [*units, Unit(model, "<root>")]
 

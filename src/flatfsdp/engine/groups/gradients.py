@@ -76,28 +76,19 @@ class GroupGradients:
         for i, grad in pairs:
             dst += destinations[i]
             src += views.grad_sources(local_grad(grad, self.slots[i].tp), layout.params[i])
-        # A face's gradient is copied where nothing else wrote its slot in a
-        # fresh buffer (no zeroing first), else summed in after the copies.
-        copied = {i for i, _ in pairs}
-        face_copy, face_add = ([], []), ([], [])
-        for i, grad in faced:
-            first = fresh and i not in copied
-            copied.add(i)
-            into = face_copy if first else face_add
-            into[0].extend(destinations[i])
-            into[1].extend(views.grad_sources(local_grad(grad, self.slots[i].tp), layout.params[i]))
+        written = {i for i, _ in pairs}
+        face_copy, face_add = self._face_sources(faced, destinations, fresh, written) if faced else (None, None)
         with torch.no_grad():
             if fresh:
-                self._zero_unwritten(self._accum, copied)
+                self._zero_unwritten(self._accum, written)
             if dst:
                 (torch._foreach_copy_ if fresh else torch._foreach_add_)(dst, src)
-            if face_copy[0]:
+            if face_copy:
                 torch._foreach_copy_(*face_copy)
-            if face_add[0]:
+            if face_add:
                 torch._foreach_add_(*face_add)
-        note = getattr(self.buffers.reduce_codec, "note_accumulated", None)
-        if note is not None:
-            note(lookup=bool(pairs), dense=bool(faced))
+        if self.faces:  # a row-lookup table's codec: what this accumulation holds (comm/lookup_rows.RowsReduce)
+            self.buffers.reduce_codec.note_accumulated(lookup=bool(pairs), dense=bool(faced))
         for i, _ in pairs:
             self._used[i] = True
             self.params[i].grad = None
@@ -108,6 +99,19 @@ class GroupGradients:
         if include_unused:  # a parameter frozen since sharding stays without a gradient (as in FSDP2)
             self._used = [used or p.requires_grad for used, p in zip(self._used, self.params)]
         return True
+
+    def _face_sources(self, faced: list, destinations: list, fresh: bool, written: set[int]) -> tuple:
+        """(copies, additions) as foreach argument pairs for the faces'
+        gradients: copied into a fresh buffer's slot nothing else wrote (no
+        zeroing first; ``written`` gains it), else summed in after the copies."""
+        copies, additions = ([], []), ([], [])
+        layout = self.buffers.layout
+        for i, grad in faced:
+            into = copies if fresh and i not in written else additions
+            written.add(i)
+            into[0].extend(destinations[i])
+            into[1].extend(views.grad_sources(local_grad(grad, self.slots[i].tp), layout.params[i]))
+        return (copies if copies[0] else None), (additions if additions[0] else None)
 
     def _grad_destinations(self, buffer: FlatBuffer) -> list:
         key = id(buffer)

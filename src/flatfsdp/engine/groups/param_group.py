@@ -71,7 +71,7 @@ class ParamGroup(GroupCore):
                                     wire=wire, grads_dtype=policy.grads_dtype(original) if self.trainable else None)
         self.faces: list[tuple[int, nn.Parameter]] = []
         """(parameter index, leaf) registered where a row-lookup table is used
-        by a module that is not an embedding (see ``use_unsharded_params``)."""
+        by a module that is not an embedding (see ``install_faces``)."""
         if fill:
             self._fill_from_params()
         self.gradients = self._make_views()
@@ -210,7 +210,7 @@ class ParamGroup(GroupCore):
         gathered, only note the rows. For an embedding's forward, which reads nothing else."""
         b = self.buffers
         if self._unsharded:  # gathered whole: every row is here; the rows still count for the reduction
-            self.note_rows(lookup_rows.union_of_ids(ids, b.pg, b.gather_codec))
+            self.note_rows(lookup_rows.union_of_ids(ids, b.pg, b.gather_codec.transport))
             return
         self._unsharded = True
         if not self.in_sync():
@@ -248,6 +248,7 @@ class ParamGroup(GroupCore):
             b.reduce_codec = lookup_rows.RowsReduce(b.reduce_codec, self.layout, 0, self.index)
         elif not on and isinstance(b.reduce_codec, lookup_rows.RowsReduce):
             b.reduce_codec = b.reduce_codec.plain
+            self.faces.clear()  # a plain table: its users' gradients are one again
 
     def refresh_early(self) -> None:
         """A new step begins: start what bringing the gathered weights up to date
@@ -294,4 +295,4 @@ class ParamGroup(GroupCore):
                     self.faces.append((index, face))
 
     def grad_leaves(self) -> list[nn.Parameter]:
-        return self.params + [face for _, face in self.faces]
+        return self.params + [face for _, face in self.faces] if self.faces else self.params

@@ -7,25 +7,27 @@ from __future__ import annotations
 from torch import nn
 
 
-def _holders(root: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> names of every module that registers it."""
-    holders: dict[int, list[str]] = {}
-    for name, module in root.named_modules(remove_duplicate=False):
+def holders(root: nn.Module) -> dict[int, list[nn.Module]]:
+    """id(parameter) -> every module under ``root`` that registers it."""
+    found: dict[int, list[nn.Module]] = {}
+    for module in root.modules():
         for param in module._parameters.values():
             if param is not None:
-                holders.setdefault(id(param), []).append(name)
-    return holders
+                found.setdefault(id(param), []).append(module)
+    return found
 
 
-def params_used_outside(unit: nn.Module, root: nn.Module) -> set[int]:
-    """ids of parameters inside ``unit`` that a module outside ``unit`` also registers."""
-    inside = {id(m) for m in unit.modules()}
+def params_used_outside(unit: nn.Module | list[nn.Module], root: nn.Module) -> frozenset[int]:
+    """ids of parameters inside ``unit`` (a module, or several sharded as one)
+    that a module outside all of it also registers."""
+    units = unit if isinstance(unit, list) else [unit]
+    inside = {id(m) for u in units for m in u.modules()}
     outside_ids: set[int] = set()
     for module in root.modules():
         if id(module) in inside:
             continue
         outside_ids.update(id(p) for p in module._parameters.values() if p is not None)
-    return {id(p) for p in unit.parameters() if id(p) in outside_ids}
+    return frozenset(id(p) for u in units for p in u.parameters() if id(p) in outside_ids)
 
 
 def check_params_stay_in_units(root: nn.Module) -> None:
