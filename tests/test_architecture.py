@@ -27,7 +27,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "flatfsdp"
 PACKAGES = {"layout": 1, "comm": 2, "groups": 3, "runtime": 4, "front": 5}
 LAYERS = {
     "layout.arithmetic": 0, "layout.strategy": 0, "layout.block_formats": 0, "layout.switches": 0,
-    "layout.device": 1, "layout.precision": 1, "layout.buffer": 1, "layout.views": 1, "layout.mesh": 1,
+    "layout.device": 1, "layout.local_dtensor": 0, "layout.precision": 1, "layout.buffer": 1, "layout.views": 1, "layout.mesh": 1,
     "layout.placement": 1, "layout.main_home": 2, "layout.options": 2,
     "comm.comm_account": 0, "comm.torch_collectives": 0, "comm.watchdog": 1,
     "comm.exchange": 2, "comm.collectives": 2, "comm.fingerprint": 2, "comm.schedule_check": 2,

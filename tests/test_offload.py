@@ -187,3 +187,32 @@ def test_host_main_weights_refuse_block_scaled_gathers_by_name():
     with pytest.raises(NotImplementedError, match=r"param_gather_dtype='int8' with offload_policy=CPUOffloadPolicy "
                                                   r"\(parameter 'blocks.0.fc.weight'\)"):
         HostHome().check_weight_codes(block_format("int8"), "blocks.0.fc.weight")
+
+
+def _dtensor_over_host_memory(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from flatfsdp.engine.layout.local_dtensor import dtensor_over
+
+    # An accelerator's mesh, as an offloaded group has (no backend: nothing travels here).
+    mesh = DeviceMesh("cuda", torch.arange(world), _init_backend=False)
+    host = torch.arange(8.0)
+    kept = dtensor_over(host, mesh, [Shard(0)], shape=torch.Size([8 * world]), stride=(1,))
+    try:
+        DTensor.from_local(host, mesh, [Shard(0)], run_check=False)
+        moved = "no"
+    except (AssertionError, RuntimeError):  # it tried to copy to a device this machine lacks
+        moved = "tried"
+    local = kept.to_local()
+    return dict(device=local.device.type, same_storage=local.untyped_storage().data_ptr()
+                == host.untyped_storage().data_ptr(), shape=tuple(kept.shape), from_local=moved)
+
+
+def test_sharded_dtensors_keep_host_memory_on_an_accelerator_mesh():
+    """Offloaded main weights and grads are host tensors on an accelerator's mesh:
+    the DTensors the optimizer steps must keep them there, not a device copy
+    (``DTensor.from_local`` would copy them over: on the first lent GPU the
+    optimizer then stepped a copy and the host weights never moved)."""
+    result = run_ranks(_dtensor_over_host_memory, 1)[0]
+    assert result == dict(device="cpu", same_storage=True, shape=(8,), from_local="tried"), result

@@ -127,11 +127,11 @@ class GroupCore:
     # ---- the DTensor each parameter is ------------------------------------------------------
 
     def dtensor_spec(self, index: int) -> tuple:
-        """(mesh, placements, from_local keywords) of parameter ``index``'s sharded DTensor."""
+        """(mesh, placements, ``dtensor_over`` keywords) of parameter ``index``'s sharded DTensor."""
         p, slot = self.layout.params[index], self.slots[index]
         shape = slot.tp.shape if slot.tp is not None else torch.Size(p.shape)
         return (self.placement.dtensor_mesh(slot.fqn), self.placement.dtensor_placements(p, slot.tp),
-                dict(shape=torch.Size(shape), stride=contiguous_strides(tuple(shape)), run_check=False))
+                dict(shape=torch.Size(shape), stride=contiguous_strides(tuple(shape))))
 
     # ---- when the weights changed ---------------------------------------------------------
 

@@ -28,6 +28,7 @@ from flatfsdp.engine.groups.slots import ParamSlot, contiguous_strides, local_va
 from flatfsdp.engine.groups.wire_choice import WireChoice
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import build_group_layout
+from flatfsdp.engine.layout.local_dtensor import dtensor_over
 from flatfsdp.engine.layout.main_home import DEVICE, MainHome
 from flatfsdp.engine.layout.placement import GroupPlacement
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
@@ -104,11 +105,11 @@ class ParamGroup(GroupCore):
         for index in range(len(self.slots)):
             self.params[index] = self._compute_param(index)
             mesh, placements, spec = self.dtensor_spec(index)
-            local = DTensor.from_local(b.main_chunk(index), mesh, placements, **spec)
+            local = dtensor_over(b.main_chunk(index), mesh, placements, **spec)
             self.sharded_params.append(nn.Parameter(local, requires_grad=self.trainable))
             if self.trainable:
                 grad = b.main_view(b.optimizer_grad(), index)
-                grad_dtensors.append(DTensor.from_local(grad, mesh, placements, **spec))
+                grad_dtensors.append(dtensor_over(grad, mesh, placements, **spec))
         if not self.placement.keep_model_weights:
             b.unsharded.free()
         return GroupGradients(b, self.slots, self.params, self.sharded_params, grad_dtensors, self.bound_optimizers,
@@ -140,7 +141,7 @@ class ParamGroup(GroupCore):
         its place (the object they, and an optimizer built on it, hold is the
         one trained)."""
         mesh, placements, spec = self.dtensor_spec(index)
-        local = DTensor.from_local(self.buffers.main_chunk(index), mesh, placements, **spec)
+        local = dtensor_over(self.buffers.main_chunk(index), mesh, placements, **spec)
         param.grad = None
         torch.utils.swap_tensors(param, nn.Parameter(local, requires_grad=param.requires_grad))
         self.sharded_params[index] = param

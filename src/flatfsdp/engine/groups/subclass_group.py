@@ -25,7 +25,7 @@ import weakref
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
 
 from flatfsdp.engine.comm.coalesce import GatherRequest
 from flatfsdp.engine.groups.gradients import GroupGradients
@@ -37,6 +37,7 @@ from flatfsdp.engine.groups.subclass_gather import SubclassGatherPlan
 from flatfsdp.engine.groups.wire_choice import WireChoice
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import build_group_layout
+from flatfsdp.engine.layout.local_dtensor import dtensor_over
 from flatfsdp.engine.layout.main_home import DEVICE
 from flatfsdp.engine.layout.placement import GroupPlacement
 from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
@@ -83,11 +84,11 @@ class SubclassGroup(GroupCore):
         for index, local in enumerate(locals_):
             mesh, placements, spec = self.dtensor_spec(index)
             with torch.no_grad():
-                sharded = DTensor.from_local(local, mesh, placements, **spec)
+                sharded = dtensor_over(local, mesh, placements, **spec)
             self.sharded_params.append(nn.Parameter(sharded, requires_grad=slots[index].param.requires_grad))
             if self.trainable:
                 grad = self.buffers.main_view(self.buffers.main_grad, index)
-                grad_dtensors.append(DTensor.from_local(grad, mesh, placements, **spec))
+                grad_dtensors.append(dtensor_over(grad, mesh, placements, **spec))
         self.gradients = GroupGradients(self.buffers, self.slots, self.params, self.sharded_params, grad_dtensors,
                                         self.bound_optimizers)
         self._swapped_in = False

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from flatfsdp.engine.layout.local_dtensor import dtensor_over
 from flatfsdp.engine.runtime.meta_init import awaiting_init
 from flatfsdp.engine.runtime.replaced_params import adopt_replaced_params
 
@@ -104,9 +105,8 @@ def placed_like(value: torch.Tensor, sharded: DTensor, group, index: int,
                                   src_data_rank=None).to_local()
     else:
         chunk = group.own_chunk_of(value.detach(), index)
-    chunk = chunk.to(device=sharded.device, dtype=dtype)
-    return DTensor.from_local(chunk, sharded.device_mesh, sharded.placements, run_check=False,
-                              shape=sharded.shape, stride=sharded.stride())
+    chunk = chunk.to(device=sharded.device, dtype=dtype)  # host memory where the weights are offloaded
+    return dtensor_over(chunk, sharded.device_mesh, sharded.placements, shape=sharded.shape, stride=sharded.stride())
 
 
 def _note_loaded(module: nn.Module, incompatible_keys) -> None:
