@@ -98,3 +98,15 @@ def test_small_groups_share_collectives(results, strategy):
         # its copy, gathered at the first step, stays current.
         assert separate["all_gather"]["count"] == 5
         assert coalesced["all_gather"]["count"] <= 2
+
+
+def test_joined_stages_keep_every_side_stream_event():
+    """On an accelerator each stage's collective ends at an event on its side
+    stream; several stages joined as one (HFSDP's outer gathers, chained
+    follow-ups) must keep every event, or a wait would read results the side
+    stream has not written yet. Events are opaque here (no streams on CPU)."""
+    from flatfsdp.engine.comm.collectives import Pending
+
+    first, second, third = object(), object(), object()
+    joined = Pending.joined([Pending(events=[first]), Pending(), Pending(events=[second, third])])
+    assert joined.events == [first, second, third]

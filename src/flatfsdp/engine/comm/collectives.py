@@ -37,7 +37,9 @@ class Pending:
 
     works: list = field(default_factory=list)
     then: list[Callable[[], None]] = field(default_factory=list)
-    event: "torch.Event | None" = None
+    events: list = field(default_factory=list)
+    """Side-stream events marking the ends of its collectives (accelerators;
+    empty on CPU): the compute stream waits on each before reading a result."""
     peers: list | None = None
     """The group rank each work exchanges with (pairwise messages); None: collectives."""
     group: "dist.ProcessGroup | None" = None
@@ -62,7 +64,7 @@ class Pending:
         peers = (None if any(p.peers is None for p in stages) else [peer for p in stages for peer in p.peers])
         described = dict(group=first.group, label=first.label, timeout_s=first.timeout_s, kind=first.kind)
         return cls(works=[w for p in stages for w in p.works], then=[c for p in stages for c in p.then],
-                   peers=peers, **{**described, **fields})
+                   events=[e for p in stages for e in p.events], peers=peers, **{**described, **fields})
 
     def chain(self, issue: Callable[[], "Pending"]) -> None:
         """Once what is in flight lands and the callbacks added so far ran,
@@ -90,7 +92,7 @@ class Pending:
         following = issue()
         self.followed = True
         self.works, self.peers, self.group = following.works, following.peers, following.group
-        self.event, self.timeout_s, self.kind = following.event, following.timeout_s, following.kind
+        self.events, self.timeout_s, self.kind = following.events, following.timeout_s, following.kind
         if self._chain:  # its own callbacks run before the stage after it
             after, nxt = self._chain[0]
             self._chain[0] = (following.then + after, nxt)
@@ -107,11 +109,12 @@ class Pending:
 
     def _wait_works(self) -> None:
         works, self.works = self.works, []
-        event, self.event = self.event, None
-        if works or event is not None:
+        events, self.events = self.events, []
+        if works or events:
             start = time.perf_counter()
             wait_works(works, self.peers, self.group, self.label, self.timeout_s)
-            wait_event(event)
+            for event in events:
+                wait_event(event)
             comm_account().add_wait(self.kind or "other", time.perf_counter() - start)
 
 
@@ -130,7 +133,7 @@ def counted(kind: str, size: int, group: dist.ProcessGroup, transport: Transport
             pending = issue(async_op)
         else:
             pending, event = stream.launch(lambda: issue(False))
-            pending.event = event
+            pending.events = [event]
         pending.label = f"({kind})"
         pending.timeout_s = transport.timeout_s
         pending.kind = kind
