@@ -163,7 +163,9 @@ def _stream_run(device: torch.device, mesh, **patches) -> dict:
     losses = []
     with _patched(**patches), streams:
         for x, y in data:
-            loss = F.mse_loss(model(x.to(device)), y.to(device))
+            # The loss in fp32: torch 2.11's mse_loss backward refuses a bf16 output
+            # beside an fp32 target ("Found dtype Float but expected BFloat16").
+            loss = F.mse_loss(model(x.to(device)).float(), y.to(device))
             loss.backward()
             opt.step()
             opt.zero_grad()
