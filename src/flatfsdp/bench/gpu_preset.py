@@ -30,7 +30,13 @@ MODEL = "llama"
 """BenchConfig.model: the preset is what chooses the Llama (no flag does)."""
 
 DEFAULTS = dict(layers=16, d_model=2048, heads=32, vocab=128256, bf16=True, nprocs=1, threads_per_rank=8,
-                steps=8, warmup=2, repeats=2, contenders="floor,fsdp2,flatfsdp")
+                steps=8, warmup=2, repeats=2, contenders="floor,fsdp2,flatfsdp", lr=1e-4)
 """Everything else the preset chooses, as the command line's defaults (keyed by
 the parser's destinations): a flag given explicitly still wins, which is how
-tools/gpu_check.sh scales the same preset down to a CPU."""
+tools/gpu_check.sh scales the same preset down to a CPU.
+
+The learning rate: at the bench's usual 1e-3 this model's loss rises over the
+first steps (measured on an H200) and bf16 rounding then parts the
+contenders -- last losses after 7 steps 12.192 floor, 12.298 FSDP2, 12.194
+flatfsdp; at 1e-4 it falls and all three agree within 0.0005, so the loss
+check compares the engines rather than an unstable run."""
