@@ -18,8 +18,8 @@ naming the optimizer, the parameter and the state entry, never dropped.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from flatfsdp.engine.layout.local_dtensor import dtensor_over
 from flatfsdp.engine.runtime.state_dict import placed_like
 
 
@@ -56,8 +56,9 @@ def carry_state(optimizer: torch.optim.Optimizer, original: torch.Tensor, sharde
             continue
         placed = placed_like(value, sharded, group, position, dtype=_state_dtype(value, sharded))
         # A chunk may be a view of the full-size state: copy it so that one is freed.
-        new[key] = DTensor.from_local(placed.to_local().clone(), placed.device_mesh, placed.placements,
-                                      run_check=False, shape=placed.shape, stride=placed.stride())
+        # Where the parameter's chunk is (host memory under CPU offload), not moved to the mesh's device.
+        new[key] = dtensor_over(placed.to_local().clone(), placed.device_mesh, placed.placements,
+                                shape=placed.shape, stride=placed.stride())
     if new:
         optimizer.state[sharded] = new
 
