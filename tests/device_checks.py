@@ -25,6 +25,7 @@ import torch
 
 import device_checks_state as state
 import device_checks_training as training_checks
+import device_checks_wire as wire
 
 
 @dataclass(frozen=True)
@@ -55,4 +56,9 @@ CHECKS = {c.name: c for c in (
     Check("float8_all_gather", "torchao float8 with float8 all-gather: one byte an element gathered, "
           "Float8TrainingTensor compute, training follows unsharded float8 (needs torchao and _scaled_mm)",
           state.check_float8_all_gather),
+    Check("lowbit_wire", "int8/fp8 weight gathers, bf16/int8 gradient reductions (ZeRO-3): the module computes "
+          "with exactly the quantize-dequantize of its main weights, trains as the unsharded model doing so (coded "
+          "gradients within 2%), bytes as on the CPU", wire.check_lowbit_wire),
+    Check("tied_rows_unit", "the tied table and head as one unit with row lookups and a paced table gather: "
+          "trains as the unsharded model; the batch's rows travel, not the table", wire.check_tied_rows_unit),
 )}
