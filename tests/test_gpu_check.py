@@ -40,6 +40,7 @@ def test_gpu_preset_is_llama_3_2_1b_at_4_x_4096_in_bf16_on_one_rank():
     assert (cfg.model, cfg.layers, cfg.d_model, cfg.heads, cfg.vocab) == ("llama", 16, 2048, 32, 128256)
     assert (cfg.batch, cfg.seq_len, cfg.bf16, cfg.nprocs, cfg.contenders) == (
         4, 4096, True, 1, ("floor", "fsdp2", "flatfsdp"))
+    assert cfg.lr == 1e-4  # at 1e-3 this model's loss rises and bf16 rounding parts the contenders (gpu_preset.py)
     with torch.device("meta"):
         built = sum(p.numel() for p in build_model(cfg).parameters())
     assert built == llama_param_count(llama_config(cfg)) == LLAMA_3_2_1B
@@ -129,3 +130,14 @@ def test_report_has_the_device_versions_and_every_figure(tmp_path, finished):
     assert rows["fsdp2"]["tokens_per_s"] == pytest.approx(tokens / 0.6)
     assert rows["fsdp2"]["tflops_per_rank"] == pytest.approx(flops / 0.6 / 1e12)
     assert rows["fsdp2"]["peak_gb"] == pytest.approx(30_000 / 1024)
+
+
+@pytest.mark.parametrize("changed, tree", [(0, "| tree | abc1234 |"),
+                                           (2, "| tree | abc1234 with uncommitted changes to 2 tracked file(s) |")])
+def test_report_says_when_the_tree_that_ran_differs_from_its_commit(tmp_path, changed, tree):
+    """The first GPU report read "tree 88e1c56" for a run made with fixes not yet committed."""
+    out = _out_dir(tmp_path, ["--preset", "gpu"], True)
+    env = json.loads((out / "environment.json").read_text())
+    (out / "environment.json").write_text(json.dumps({**env, "commit": "abc1234", "changed_files": changed}))
+    _report_module().main([str(out), "--bench-args", "--preset gpu"])
+    assert tree in (out / "report.md").read_text()

@@ -48,13 +48,20 @@ def _cuda(torch) -> dict:
                 driver=_run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]))
 
 
+def _changed(root: Path) -> int:
+    """Tracked files that differ from the commit: the run measured that tree,
+    not the commit alone (the first GPU report ran fixes made after it)."""
+    status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
+    return len(status.splitlines()) if status else 0
+
+
 def probe(mode: str, root: Path) -> dict:
     import torch
 
     info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), mode=mode,
                 python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(),
                 machine=platform.machine(), packages={p: _version(p) for p in OPTIONAL},
-                commit=_run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"]))
+                commit=_run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"]), changed_files=_changed(root))
     if mode == "cuda":
         info.update(_cuda(torch))
     else:

@@ -120,6 +120,14 @@ def _num(value, fmt: str, suffix: str = "") -> str:
     return "--" if value is None else format(value, fmt) + suffix
 
 
+def _tree(env: dict) -> str:
+    """The commit, and whether the tree that ran had changed it."""
+    if not env.get("commit"):
+        return "not a git checkout"
+    changed = env.get("changed_files") or 0
+    return env["commit"] + (f" with uncommitted changes to {changed} tracked file(s)" if changed else "")
+
+
 def _environment_lines(env: dict, phases: list[dict]) -> list[str]:
     packages = env.get("packages", {})
     present = ", ".join(f"{k} {v}" for k, v in packages.items() if v) or "none"
@@ -135,7 +143,7 @@ def _environment_lines(env: dict, phases: list[dict]) -> list[str]:
     return ["| | |", "|---|---|", f"| device | {device} |", f"| torch | {env.get('torch')}; {cuda} |",
             f"| python, CPUs | {env.get('python')}, {env.get('cpus')} |",
             f"| optional packages | present: {present}; missing: {missing} |",
-            f"| tree | {env.get('commit') or 'not a git checkout'} |", f"| run | {env.get('date')}: {ran} |"]
+            f"| tree | {_tree(env)} |", f"| run | {env.get('date')}: {ran} |"]
 
 
 def _check_lines(checks: list[dict], phase: dict | None) -> list[str]:
