@@ -12,7 +12,6 @@ Each ``check_*(device, workdir)`` asserts, returns its figures, or raises
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from device_world import synchronize, world_of_one
 from flatfsdp.bench.workload import schedule_embedding_units, unit_classes
 from flatfsdp.engine.layout.block_formats import block_format, quantize_dequantize
 from flatfsdp.models.gpt import GPT, TransformerBlock, lm_loss
-from training import CFG, batches, full_params, make_model, make_optimizer, max_diff
+from training import CFG, batches, full_params, make_model, make_optimizer, max_diff, train_quantized_reference
 
 STEPS = 3
 BLOCK = 16
@@ -32,29 +31,6 @@ WIRES = (("int8", None), ("fp8", None), ("int8", "bf16"), ("int8", "int8"))
 
 
 # ---- low-bit gathers and reductions ------------------------------------------------------------
-
-def _qdq_reference(device: torch.device, kind: str, data: list) -> list[float]:
-    """The unsharded model computing each step with the quantize-dequantize of
-    its fp32 weights, the gradients applied to those weights."""
-    fmt = block_format(kind, BLOCK)
-    master = make_model().to(device)
-    opt = make_optimizer("adamw", master.named_parameters())
-    losses = []
-    for x in data:
-        x = x.to(device)
-        compute = copy.deepcopy(master)
-        with torch.no_grad():
-            for p in compute.parameters():
-                p.copy_(quantize_dequantize(p, fmt))
-        loss = lm_loss(compute(x[:, :-1]), x[:, 1:])
-        loss.backward()
-        for p, q in zip(master.parameters(), compute.parameters()):
-            p.grad = q.grad
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
 
 def _lowbit_run(device: torch.device, mesh, kind: str, grads: str | None, data: list) -> dict:
     model = make_model().to(device)
@@ -98,7 +74,8 @@ def check_lowbit_wire(device: torch.device, workdir: Path) -> dict:
     figures = {}
     with world_of_one(device, workdir) as mesh:
         host_mesh = mesh if device.type == "cpu" else init_device_mesh("cpu", (1,))
-        references = {kind: _qdq_reference(device, kind, data) for kind in ("int8", "fp8")}
+        references = {kind: train_quantized_reference(block_format(kind, BLOCK), data, device)
+                      for kind in ("int8", "fp8")}
         for kind, grads in WIRES:
             here = _lowbit_run(device, mesh, kind, grads, data)
             on_host = _lowbit_run(cpu, host_mesh, kind, grads, data)

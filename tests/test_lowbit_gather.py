@@ -8,38 +8,17 @@ master, as the sharded run applies them to its main weights)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 
 import flatfsdp
 from flatfsdp.engine.layout.block_formats import BlockFormat, block_format, quantize_dequantize
 from flatfsdp.models.gpt import TransformerBlock, lm_loss
 from harness import run_ranks
-from training import batches, full_params, global_mean, local_slice, make_model, make_optimizer
+from training import (batches, full_params, global_mean, local_slice, make_model, make_optimizer,
+                      train_quantized_reference)
 
 BLOCK = 16
 STEPS = 3
-
-
-def qdq_reference(steps: int, fmt: BlockFormat) -> list[float]:
-    master = make_model()
-    opt = make_optimizer("adamw", master.named_parameters())
-    losses = []
-    for x in batches(steps):
-        compute = copy.deepcopy(master)
-        with torch.no_grad():
-            for p in compute.parameters():
-                p.copy_(quantize_dequantize(p, fmt))
-        loss = lm_loss(compute(x[:, :-1]), x[:, 1:])
-        loss.backward()
-        for p, q in zip(master.parameters(), compute.parameters()):
-            p.grad = q.grad
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def shard(front: str, strategy: str, **lowbit):
@@ -113,7 +92,7 @@ def zero3():
 def test_zero3_computes_with_exactly_the_quantized_main_weights(zero3, kind, front):
     out = zero3[0][kind, front]
     assert max(out["distance"]) <= 1e-6, out["distance"]
-    reference = qdq_reference(STEPS, block_format(kind, BLOCK))
+    reference = train_quantized_reference(block_format(kind, BLOCK), batches(STEPS))
     assert abs(out["losses"][0] - reference[0]) <= 1e-6 * abs(reference[0])  # same weights, bit for bit
     assert max(abs(a - b) / b for a, b in zip(out["losses"], reference)) < 1e-5, (out["losses"], reference)
 
@@ -154,7 +133,7 @@ def strategies_worker(rank, world):
 def test_every_strategy_and_outer_dimension_computes_with_the_quantized_main_weights(world, config):
     out = _strategies(world)[0][config]
     assert max(out["distance"]) <= 1e-6, out["distance"]
-    reference = qdq_reference(STEPS, block_format(config[1], BLOCK))
+    reference = train_quantized_reference(block_format(config[1], BLOCK), batches(STEPS))
     assert abs(out["losses"][0] - reference[0]) <= 1e-6 * abs(reference[0])
     assert max(abs(a - b) / b for a, b in zip(out["losses"], reference)) < 1e-5, (out["losses"], reference)
     # ZeRO-1/2 gather once per optimizer step anyway; HSDP/HFSDP (ZeRO-3 inside) twice: codes once either way.

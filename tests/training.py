@@ -87,6 +87,31 @@ def train_reference(steps: int, opt_name: str, bf16: bool = False, data=None,
     return losses, {n: p.detach().clone() for n, p in master.named_parameters()}
 
 
+def train_quantized_reference(fmt, data: list, device: torch.device | str = "cpu") -> list[float]:
+    """Unsharded training that computes each step with the quantize-dequantize
+    (block format ``fmt``) of its fp32 weights, the gradients applied to those
+    weights: what a low-bit weight gather must compute exactly."""
+    from flatfsdp.engine.layout.block_formats import quantize_dequantize
+
+    master = make_model().to(device)
+    opt = make_optimizer("adamw", master.named_parameters())
+    losses = []
+    for x in data:
+        x = x.to(device)
+        compute = copy.deepcopy(master)
+        with torch.no_grad():
+            for p in compute.parameters():
+                p.copy_(quantize_dequantize(p, fmt))
+        loss = lm_loss(compute(x[:, :-1]), x[:, 1:])
+        loss.backward()
+        for p, q in zip(master.parameters(), compute.parameters()):
+            p.grad = q.grad
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def shard_gpt(strategy, bf16: bool = False, opt_name: str = "adamw", **kwargs):
     model = make_model()
     opt = make_optimizer(opt_name, model.named_parameters())
