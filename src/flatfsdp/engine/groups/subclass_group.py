@@ -26,7 +26,6 @@ import weakref
 import torch
 from torch import nn
 
-
 from flatfsdp.engine.comm.coalesce import GatherRequest
 from flatfsdp.engine.groups.gradients import GroupGradients
 from flatfsdp.engine.groups.group_core import GroupCore
