@@ -121,8 +121,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     a = flags.parse_or_exit(p.parse_args, argv, p.prog)
     cfg = BenchConfig(layers=a.layers, d_model=a.d_model, heads=a.heads, vocab=a.vocab, untied=a.untied,
-                      batch=1, seq_len=64,
-                      steps=16, warmup=0)
+                      batch=1, seq_len=64, steps=16, warmup=0)
     root = a.dir or tempfile.mkdtemp(prefix="flatfsdp-save-stall-")
     try:
         result = launch(_worker, a.nprocs, cfg, a.rounds, root, timeout_s=3600)

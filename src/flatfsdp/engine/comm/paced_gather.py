@@ -25,7 +25,6 @@ from flatfsdp.engine.comm.comm_account import comm_account
 from flatfsdp.engine.comm.exchange import post_messages
 from flatfsdp.engine.comm.gather import GatherPlan
 from flatfsdp.engine.layout import views
-from flatfsdp.engine.layout.views import same_start
 
 
 class PacedGather:
@@ -42,7 +41,7 @@ class PacedGather:
         mine = full[starts[me]:starts[me] + lengths[me]]
         if lengths[me]:
             local = views.local_chunk(plan.source, p, me).reshape(lengths[me], width)
-            if not same_start(mine, local):
+            if not views.same_start(mine, local):
                 mine.copy_(local)
         step = max(1, math.ceil(max(lengths) / max(1, slices)))
         peers = [r for r in range(world) if r != me]
@@ -72,4 +71,3 @@ class PacedGather:
         works, self._works = self._works, []
         Pending([w for w, _ in works], peers=[peer for _, peer in works], group=self.group, label=self.label,
                 timeout_s=self.timeout_s, kind="all_gather").wait()  # timed, and a missing peer named
-
