@@ -307,24 +307,29 @@ def test_manual_buffer_registration_is_a_no_op(checkpoints):
     assert checkpoints["registration"] is None
 
 
-# --- the redirect: Megatron-Core's bundled megatron_fsdp answered by this package -------------------
+# --- the redirect: megatron_fsdp (Megatron-Core's bundled copy, the PyPI name) answered by this package ---
 
 REDIRECTED_SCRIPT = """
 import sys
 import megatron.core.distributed.fsdp.src.megatron_fsdp as bundled
 from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import find_megatron_fsdp
+import megatron_fsdp as pypi
+from megatron_fsdp.fully_shard import fully_shard_optimizer
+from megatron_fsdp.megatron_fsdp import MegatronFSDP
 import flatfsdp.megatron_fsdp as ours
 try:
-    import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer
+    import megatron.core.distributed.fsdp.src.megatron_fsdp.not_a_module_of_ours
     missing = "imported"
 except ImportError:
     missing = "ImportError"
 print(bundled is ours, bundled.MegatronFSDP is ours.MegatronFSDP, find_megatron_fsdp is ours.utils.find_megatron_fsdp,
       missing, sys.argv[1:])
+print(pypi is ours, fully_shard_optimizer is ours.fully_shard.fully_shard_optimizer,
+      MegatronFSDP is ours.MegatronFSDP)
 """
 
 
-def test_the_redirect_launcher_answers_megatron_cores_bundled_package_with_this_one(tmp_path):
+def test_the_redirect_answers_both_names_of_megatron_fsdp_with_this_package(tmp_path):
     import os
     import subprocess
     import sys
@@ -343,12 +348,22 @@ def test_the_redirect_launcher_answers_megatron_cores_bundled_package_with_this_
     run = subprocess.run([sys.executable, "-m", "flatfsdp.megatron_fsdp.redirect", str(script), "--x", "1"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[-2] == "True True True ImportError ['--x', '1']"
+    assert run.stdout.split("\n")[-3:-1] == ["True True True ImportError ['--x', '1']", "True True True"]
+    (tmp_path / "sitecustomize.py").write_text("import flatfsdp.megatron_fsdp.redirect as r; r.install()\n")
+    site = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert site.returncode == 0, site.stderr
+    assert site.stdout.split("\n")[-3:-1] == ["True True True ImportError []", "True True True"]
+    (tmp_path / "sitecustomize.py").unlink()
     late = subprocess.run([sys.executable, "-c", "import megatron.core.distributed.fsdp.src as s, sys; "
                            "sys.modules['megatron.core.distributed.fsdp.src.megatron_fsdp'] = s; "
                            "import flatfsdp.megatron_fsdp.redirect as r; r.install()"],
                           capture_output=True, text=True, env=env, timeout=300)
-    assert late.returncode != 0 and "before anything imports megatron.core" in late.stderr
+    assert late.returncode != 0 and "before anything imports megatron_fsdp or megatron.core" in late.stderr
+    late_pypi = subprocess.run([sys.executable, "-c", "import sys, types; "
+                                "sys.modules['megatron_fsdp'] = types.ModuleType('megatron_fsdp'); "
+                                "import flatfsdp.megatron_fsdp.redirect as r; r.install()"],
+                               capture_output=True, text=True, env=env, timeout=300)
+    assert late_pypi.returncode != 0 and "megatron_fsdp was imported before" in late_pypi.stderr
 
 
 def test_stocks_two_call_form_finds_the_model_and_trains(checkpoints):

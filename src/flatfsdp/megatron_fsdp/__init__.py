@@ -12,7 +12,7 @@ Modules as in megatron_fsdp: ``megatron_fsdp`` (``MegatronFSDP``),
 ``fully_shard``, ``utils`` (``FSDPDistributedIndex`` of ``distributed_index``, ``find_megatron_fsdp``,
 the tensor-parallel readers), ``mixed_precision``,
 ``distributed_data_parallel_config``; and flatfsdp's own ``config_fields``,
-``model_keys``, ``optimizer_indices``.
+``model_keys``.
 """
 
 from flatfsdp.megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig

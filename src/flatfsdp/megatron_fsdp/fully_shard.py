@@ -6,8 +6,11 @@ order and returns a ``MegatronFSDP`` wrapping ``module`` (state-dict keys
 an optimizer built on that model's parameters (or on the original ones, which
 flatfsdp rebinds), and ``fully_shard(module, optimizer, ...)`` does both.
 Unlike stock, the optimizer keeps the user's param groups and takes no eager
-step; its state dict numbers parameters as stock's does (optimizer_indices.py),
-so checkpoints move both ways. ``flatfsdp.fully_shard`` (unwrapped, unprefixed
+step; its state dict numbers parameters as torch's (and stock's) does, in the
+optimizer's own order, so ``get_optimizer_state_dict`` names every entry
+right and checkpoints move both ways where the optimizers list their
+parameters alike; a state that does not fit is refused by name
+(``flatfsdp.engine``'s load check). ``flatfsdp.fully_shard`` (unwrapped, unprefixed
 keys) is unchanged: this is the door for code written against megatron_fsdp.
 """
 
@@ -22,7 +25,6 @@ from torch import nn
 import flatfsdp.engine as engine
 from flatfsdp.megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
 from flatfsdp.megatron_fsdp.megatron_fsdp import MegatronFSDP
-from flatfsdp.megatron_fsdp.optimizer_indices import StockNumbering, has_stock_numbering
 from flatfsdp.megatron_fsdp.distributed_index import FSDPDistributedIndex
 
 
@@ -68,15 +70,10 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
                           model: MegatronFSDP | None = None) -> torch.optim.Optimizer:
     """Bind ``optimizer`` (stock's signature; ``model`` may be given, else it
     is found from the optimizer's parameters). Its ``step`` and ``zero_grad``
-    take Megatron-FSDP's keywords; its state dict numbers parameters in the
-    model's order, as stock's does."""
+    take Megatron-FSDP's keywords."""
     if model is not None and not isinstance(model, MegatronFSDP):
         raise TypeError(f"model must be the MegatronFSDP fully_shard_model returned, got {type(model).__name__}")
-    engine.fully_shard_optimizer(optimizer, model=model.module if model is not None else None)
-    if not has_stock_numbering(optimizer):
-        inner = model.module if model is not None else _sharded_model_of(optimizer)
-        StockNumbering(inner).install(optimizer)
-    return optimizer
+    return engine.fully_shard_optimizer(optimizer, model=model.module if model is not None else None)
 
 
 def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -97,14 +94,3 @@ fully_shard.__signature__ = _FULLY_SHARD
 
 def _strategy_name(value: str | int) -> str:
     return engine.ShardingStrategy.parse(value).name.lower()
-
-
-def _sharded_model_of(optimizer: torch.optim.Optimizer) -> nn.Module:
-    """The one-call-sharded model the optimizer's parameters belong to (each
-    sharded parameter's ``__fsdp_param__`` marker names it)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            view = getattr(getattr(p, "__fsdp_param__", None), "view", None)
-            if view is not None:
-                return view.sharded_model
-    raise TypeError("fully_shard_optimizer(optimizer): its parameters belong to no model sharded by fully_shard_model")

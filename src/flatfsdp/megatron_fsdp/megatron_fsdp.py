@@ -112,6 +112,21 @@ class MegatronFSDP(nn.Module):
     def microbatch_count(self, value: int) -> None:
         self._modules["module"].microbatch_count = value
 
+    def _replace_param_with_distributed_if_needed(self) -> None:
+        """Stock swaps the module's raw parameters for its buffer's DTensors here,
+        so that an optimizer built afterwards on ``model.parameters()`` steps the
+        sharded ones (NeMo AutoModel calls it after ``fully_shard_model``). In
+        flatfsdp the module's parameters are those DTensors from sharding on:
+        what is left is to check that they still are -- a parameter some caller
+        put in place of one since would be stepped by nobody -- and to say so,
+        by name, rather than train it silently unsharded."""
+        owned = dict(self._modules["module"].param_and_grad_buffer.optimizer_named_parameters)
+        foreign = [name for name, p in self._modules["module"].named_parameters() if owned.get(name) is not p]
+        if foreign:
+            raise ValueError(f"{type(self.module).__name__}: parameter(s) {foreign[:5]} were replaced after "
+                             "fully_shard_model; flatfsdp's module parameters are its sharded DTensors -- load "
+                             "values into them (load_state_dict) instead of assigning new Parameters")
+
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         """Keys as this wrapper writes them (``module.``-prefixed, as stock's) or
         as flatfsdp's one-call model writes them (unprefixed); checked whole

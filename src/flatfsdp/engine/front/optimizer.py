@@ -18,7 +18,11 @@ carried over to the sharded parameters, each rank its chunk
 (optimizer_state.py), or refused by name -- never dropped.
 
 Its ``state_dict()`` also creates the optimizer state if none exists yet, so
-that loading a checkpoint into it in place (DCP) finds every slot.
+that loading a checkpoint into it in place (DCP) finds every slot. It numbers
+parameters as torch does, in the optimizer's own order (what
+``get_optimizer_state_dict`` names them by), and ``load_state_dict`` refuses,
+by name and before anything is loaded, a state that does not fit
+(optimizer_load_check.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch import nn
 
 from flatfsdp.engine.front.megatron_model import megatron_views_of
 from flatfsdp.engine.front.megatron_optimizer import before_megatron_step, take_megatron_keywords
+from flatfsdp.engine.front.optimizer_load_check import install_load_check
 from flatfsdp.engine.front.optimizer_state import carry_state, check_carryable
 from flatfsdp.engine.runtime.unit_state import unit_states
 
@@ -77,6 +82,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     megatron = bool(megatron_views_of(p for g in optimizer.param_groups for p in g["params"]))
     if new:  # binding again (or to a second model) hooks only groups not yet covered
         _install_hooks(optimizer, new, megatron)
+    install_load_check(optimizer, model, list(covered.values()))
     for g in new:
         g.bound_optimizers.add(optimizer)
     if megatron:
