@@ -265,13 +265,25 @@ def checkpoint_worker(rank, world, tmp):
                     hasattr(wrapped.module, "module"))
     out["registration"] = wrapped.param_and_grad_buffer.manual_buffer_registration()
 
-    # stock's two-call form: the optimizer built on the wrapper's parameters, the model found from them
-    model = ours.fully_shard_model(Net(seed=6), device_mesh=_mesh((2, 1), ("dp", "tp")), dp_shard_dim="dp",
+    # stock's two-call form (NeMo AutoModel's): the optimizer built on the wrapper's parameters once
+    # _replace_param_with_distributed_if_needed has run, the model found from them; Megatron-Core's
+    # marks on the parameters carried onto the DTensors the optimizer steps
+    net = Net(seed=6)
+    net.a.weight.is_embedding_or_output_parameter = True
+    net.a.weight.tensor_model_parallel, net.a.weight.partition_dim, net.a.weight._tensor_parallel_mode = True, 0, "column"
+    net.b.bias.sequence_parallel = True
+    model = ours.fully_shard_model(net, device_mesh=_mesh((2, 1), ("dp", "tp")), dp_shard_dim="dp",
                                    tp_dim="tp", fsdp_unit_modules=[nn.Linear])
+    model._replace_param_with_distributed_if_needed()
+    out["marks"] = {n: {a: getattr(p, a) for a in ("is_embedding_or_output_parameter", "tensor_model_parallel",
+                                                   "partition_dim", "_tensor_parallel_mode", "sequence_parallel")
+                        if hasattr(p, a)} for n, p in model.named_parameters()}
     optimizer = ours.fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
     before = _local(model)
     _step(model, optimizer, rank)
     out["two_calls"] = (sorted(optimizer.state_dict()["state"]), not _same(before, _local(model)))
+    model.module.b.weight = nn.Parameter(torch.zeros(2, 8))  # a caller puts its own parameter in place
+    out["replaced"] = _error(model._replace_param_with_distributed_if_needed)
     return out
 
 
@@ -368,3 +380,15 @@ def test_the_redirect_answers_both_names_of_megatron_fsdp_with_this_package(tmp_
 
 def test_stocks_two_call_form_finds_the_model_and_trains(checkpoints):
     assert checkpoints["two_calls"] == ([0, 1, 2, 3], True)
+
+
+def test_megatron_cores_marks_reach_the_parameters_its_optimizer_steps(checkpoints):
+    assert checkpoints["marks"] == {
+        "module.a.weight": {"is_embedding_or_output_parameter": True, "tensor_model_parallel": True,
+                            "partition_dim": 0, "_tensor_parallel_mode": "column"},
+        "module.a.bias": {}, "module.b.weight": {}, "module.b.bias": {"sequence_parallel": True}}
+
+
+def test_a_parameter_replaced_after_sharding_is_named_not_trained_unsharded(checkpoints):
+    error = checkpoints["replaced"]
+    assert error is not None and "['b.weight']" in error and "replaced after fully_shard_model" in error

@@ -36,6 +36,16 @@ DELEGATED = frozenset({
     "broadcast_params", "all_gather_and_wait_parameters_ready"})
 """Members the sharded model answers (flatfsdp's one-call members) and the wrapper passes on."""
 
+MEGATRON_PARAM_ATTRIBUTES = ("sequence_parallel", "shared", "tensor_model_parallel", "partition_dim",
+                             "partition_stride", "is_embedding_or_output_parameter", "is_embedding_parameter",
+                             "_tensor_parallel_mode")
+"""What Megatron-Core marks its parameters with and reads back from the ones
+its optimizer steps: the gradient norm skips tensor-parallel duplicates and
+shared copies by them, ``finalize_model_grads`` all-reduces
+sequence-parallel LayerNorm grads by them, the optimizer's param-group
+overrides (``decoupled_lr``, muP) select by them. Stock carries the same
+list onto its DTensors; without it each of those is silently skipped."""
+
 
 class MegatronFSDP(nn.Module):
     def __init__(self, module: nn.Module, dist_index: FSDPDistributedIndex | None = None,
@@ -57,6 +67,7 @@ class MegatronFSDP(nn.Module):
                 fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
                 disable_symmetric_registration=disable_symmetric_registration)
         keywords = keywords_from_config(ddp_config)
+        originals = dict(module.named_parameters())
         dist_index = dist_index if dist_index is not None else _world_index(device)
         _check_outer_strategy(dist_index, keywords)
         policy = mixed_precision_policy if mixed_precision_policy is not None else policy_from_config(ddp_config)
@@ -75,6 +86,7 @@ class MegatronFSDP(nn.Module):
             sync_model_each_microbatch=sync_model_each_microbatch, disable_bucketing=disable_bucketing,
             calculate_per_token_loss=calculate_per_token_loss, **keywords)
         engine.hand_module_to_wrapper(module)
+        _carry_megatron_attributes(originals, module.param_and_grad_buffer.optimizer_named_parameters)
         self.module = module
         self.ddp_config = ddp_config  # the config as given: a record (the engine read it once, above)
         self.dist_index = dist_index
@@ -134,6 +146,20 @@ class MegatronFSDP(nn.Module):
         before anything is copied (model_keys.py)."""
         return super().load_state_dict(checked_module_state_dict(self, state_dict, strict), strict=strict,
                                        assign=assign)
+
+
+def _carry_megatron_attributes(originals: dict[str, nn.Parameter], sharded: list[tuple[str, nn.Parameter]]) -> None:
+    """Megatron-Core's marks, from each parameter the caller made onto the
+    DTensor flatfsdp made to stand in for it (flatfsdp's own object, as its
+    ``__fsdp_param__`` marker is): the caller's data, kept where the caller
+    will look for it."""
+    for name, param in sharded:
+        original = originals.get(name)
+        if original is None or original is param:
+            continue
+        for attribute in MEGATRON_PARAM_ATTRIBUTES:
+            if attribute in original.__dict__:
+                setattr(param, attribute, original.__dict__[attribute])
 
 
 def _expert_groups(dist_index: Any) -> dict:
