@@ -142,6 +142,14 @@ def config_worker(rank, world):
     out["hybrid"] = _error(lambda: ours.FSDPDistributedIndex(mesh, "shard", "outer", hybrid_fsdp_group=alone))
     out["ag"] = _error(lambda: ours.FSDPDistributedIndex(mesh, "shard", "outer", fsdp_group_ag=dist.group.WORLD))
     out["dim"] = _error(lambda: ours.FSDPDistributedIndex(mesh, "dp_cp"))
+    # NeMo AutoModel with context parallelism: the shard dimension is a flattened one
+    with_cp = _mesh((1, 2), ("dp", "cp"))
+    with_cp["dp", "cp"]._flatten("dp_cp")
+    flat_index = ours.FSDPDistributedIndex(with_cp, "dp_cp")
+    flat_model = ours.MegatronFSDP(Net(), flat_index, ours.DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params"))
+    out["flattened"] = (dist.get_world_size(flat_index.fsdp_group),
+                        [tuple(p.to_local().shape) for p in flat_model.parameters()])
     hfsdp = ours.FSDPDistributedIndex(mesh, "shard", "outer", hsdp_outer_dp_shard=True)
     net = Net()
     out["outer"] = (_error(lambda: ours.MegatronFSDP(net, hfsdp, ours.DistributedDataParallelConfig(
@@ -174,10 +182,14 @@ def test_a_config_field_flatfsdp_cannot_honour_is_named(config_errors):
 def test_an_index_whose_groups_disagree_with_its_mesh_is_refused_by_name(config_errors):
     assert "hybrid_fsdp_group holds ranks [" in config_errors["hybrid"] and "disagrees" in config_errors["hybrid"]
     assert "fsdp_group_ag holds ranks [0, 1]" in config_errors["ag"], config_errors["ag"]
-    assert "dp_shard_dim='dp_cp' is not a dimension" in config_errors["dim"], config_errors["dim"]
+    assert "dp_shard_dim: 'dp_cp' is not a dimension" in config_errors["dim"], config_errors["dim"]
     error, untouched = config_errors["outer"]
     assert "hsdp_outer_dp_shard=True" in error and "outer_dp_sharding_strategy" in error, error
     assert untouched
+
+
+def test_a_flattened_dimension_is_a_shard_dimension_as_in_stock(config_errors):
+    assert config_errors["flattened"] == (2, [(4, 4), (4,), (1, 8), (1,)])  # Net's a (8, 4) and b (2, 8), halved
 
 
 def test_an_expert_group_beside_a_dense_model_is_carried_unused_as_stock_does(config_errors):

@@ -24,6 +24,7 @@ from flatfsdp.engine.front.optimizer import fully_shard_optimizer
 from flatfsdp.engine.front.megatron_model import hand_module_to_wrapper
 from flatfsdp.engine.front.megatron_buffers import DistributedDataParallelConfig, DistributedIndexGroups
 from flatfsdp.engine.front.keyword_table import MEGATRON as MEGATRON_KEYWORDS
+from flatfsdp.engine.layout.mesh import sub_mesh
 from flatfsdp.engine.front.finite_check import set_on_nonfinite
 from flatfsdp.engine.runtime.nonfinite_flag import MODE_ENV as NONFINITE_ENV, NonFiniteWarning
 
@@ -40,5 +41,5 @@ __all__ = [
     "copy_to_host",
     # for flatfsdp.megatron_fsdp (the package shaped like megatron_fsdp): its MegatronFSDP wraps the model
     "hand_module_to_wrapper", "DistributedDataParallelConfig", "DistributedIndexGroups",
-    "MEGATRON_KEYWORDS",
+    "MEGATRON_KEYWORDS", "sub_mesh",
 ]

@@ -3,7 +3,9 @@ is sharded over (megatron_fsdp keeps it in ``utils``, which re-exports it
 from here).
 
 The index checks at construction that what it is given agrees: the named
-dimensions exist in the mesh, and each group given beside the mesh
+dimensions exist in the mesh (a dimension flattened with ``_flatten`` -- NeMo
+AutoModel shards over ``dp_cp`` when context parallelism is on -- counts, as
+in stock), and each group given beside the mesh
 (``hybrid_fsdp_group``, ``fsdp_group_ag``) holds exactly the ranks the mesh
 says -- one error naming the group and both rank lists, before anything is
 sharded.
@@ -16,7 +18,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatfsdp.engine import DistributedIndexGroups
+from flatfsdp.engine import DistributedIndexGroups, sub_mesh
 
 
 class FSDPDistributedIndex(DistributedIndexGroups):
@@ -29,19 +31,18 @@ class FSDPDistributedIndex(DistributedIndexGroups):
                  expt_fsdp_group_ag: dist.ProcessGroup | None = None):
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(f"FSDPDistributedIndex: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
-        names = tuple(device_mesh.mesh_dim_names or ())
         for role, dim in (("dp_shard_dim", dp_shard_dim), ("dp_outer_dim", dp_outer_dim), ("tp_dim", tp_dim)):
-            if dim is not None and dim not in names:
-                raise ValueError(f"FSDPDistributedIndex: {role}={dim!r} is not a dimension of the device mesh "
-                                 f"(its dimensions: {list(names)})")
+            if dim is not None:
+                sub_mesh(device_mesh, dim, f"FSDPDistributedIndex: {role}")  # names the dimension if it is not there
         if dp_shard_dim is None:
             raise ValueError("FSDPDistributedIndex needs dp_shard_dim: the mesh dimension parameters are sharded over")
         self.device_mesh, self.dp_shard_dim, self.dp_outer_dim, self.tp_dim = device_mesh, dp_shard_dim, dp_outer_dim, tp_dim
         self.use_hybrid_fsdp = dp_outer_dim is not None
         self.hsdp_outer_dp_shard = bool(hsdp_outer_dp_shard)
         self.expt_device_mesh = expt_device_mesh
-        self.fsdp_group = device_mesh[dp_shard_dim].get_group()
-        self.outer_fsdp_group = device_mesh[dp_outer_dim].get_group() if self.use_hybrid_fsdp else None
+        self.fsdp_group = sub_mesh(device_mesh, dp_shard_dim, "dp_shard_dim").get_group()
+        self.outer_fsdp_group = sub_mesh(device_mesh, dp_outer_dim, "dp_outer_dim").get_group() \
+            if self.use_hybrid_fsdp else None
         self.hybrid_fsdp_group = hybrid_fsdp_group
         self.hybrid_fsdp_expt_group = hybrid_fsdp_expt_group
         self.fsdp_group_ag, self.expt_fsdp_group_ag = fsdp_group_ag, expt_fsdp_group_ag
@@ -60,14 +61,14 @@ class FSDPDistributedIndex(DistributedIndexGroups):
     def get_submesh(self, mesh_dim_names: str | Sequence[str], is_expert_parallel: bool = False) -> DeviceMesh:
         mesh = self.expt_device_mesh if is_expert_parallel else self.device_mesh
         names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
-        if mesh is None or not set(names) <= set(mesh.mesh_dim_names or ()):
-            raise ValueError(f"FSDPDistributedIndex: no sub-mesh {names} (expert={is_expert_parallel}) in {mesh}")
-        return mesh[names if len(names) > 1 else names[0]]
+        if mesh is None:
+            raise ValueError(f"FSDPDistributedIndex: no sub-mesh {names} (expert={is_expert_parallel}): no mesh")
+        return sub_mesh(mesh, names if len(names) > 1 else names[0], f"FSDPDistributedIndex.get_submesh{names}")
 
 
 def _mesh_ranks(mesh: DeviceMesh, dims: tuple[str, ...]) -> list[int]:
     """The global ranks of this rank's sub-mesh over ``dims``."""
-    sub = mesh[dims if len(dims) > 1 else dims[0]]
+    sub = sub_mesh(mesh, dims if len(dims) > 1 else dims[0], "/".join(dims))
     return sorted(sub.mesh.flatten().tolist())
 
 
