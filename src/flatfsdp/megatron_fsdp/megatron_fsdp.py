@@ -36,6 +36,15 @@ DELEGATED = frozenset({
     "broadcast_params", "all_gather_and_wait_parameters_ready"})
 """Members the sharded model answers (flatfsdp's one-call members) and the wrapper passes on."""
 
+EP_OVERLAP_REFUSAL = (
+    "Megatron-Core's expert-parallel all-to-all overlap schedule (overlap_moe_expert_parallel_comm=True, "
+    "pipeline_parallel/combined_1f1b.py) runs each layer's sub-modules outside the layer's forward and backward, "
+    "interleaving one micro-batch's forward with another's backward, and hands Megatron-FSDP the gathers and "
+    "releases; flatfsdp gathers, releases and reduces a unit around its own forward and backward and does not "
+    "take them over piecewise: train without overlap_moe_expert_parallel_comm")
+"""Why the EP-overlap schedule's members refuse (Megatron-Core's adapter asks for the
+backward fine-grained hook only for that schedule, so construction refuses it there)."""
+
 MEGATRON_PARAM_ATTRIBUTES = ("sequence_parallel", "shared", "tensor_model_parallel", "partition_dim",
                              "partition_stride", "is_embedding_or_output_parameter", "is_embedding_parameter",
                              "_tensor_parallel_mode")
@@ -74,7 +83,9 @@ class MegatronFSDP(nn.Module):
         keywords["report_nan_in_param_grad"] = bool(keywords["report_nan_in_param_grad"] or report_nan_in_param_grad)
         # The fine-grained hooks gather sub-modules one by one (MXFP8 recompute, MoE overlap); a unit
         # is gathered whole here, with the same values (front/keywords.py's no-op of the same name).
-        fine_grained = bool(enable_fine_grained_param_gather_hook or enable_fine_grained_param_gather_backward_hook)
+        if enable_fine_grained_param_gather_backward_hook:
+            raise NotImplementedError(EP_OVERLAP_REFUSAL)
+        fine_grained = bool(enable_fine_grained_param_gather_hook)
         keywords["enable_fine_grained_param_gather"] = bool(keywords["enable_fine_grained_param_gather"]
                                                             or fine_grained)
         engine.fully_shard_model(
@@ -138,6 +149,23 @@ class MegatronFSDP(nn.Module):
             raise ValueError(f"{type(self.module).__name__}: parameter(s) {foreign[:5]} were replaced after "
                              "fully_shard_model; flatfsdp's module parameters are its sharded DTensors -- load "
                              "values into them (load_state_dict) instead of assigning new Parameters")
+
+    def _replace_param_with_raw_if_needed(self) -> None:
+        """Megatron-Core's EP-overlap schedule calls it before driving layers
+        by hand (with the four members below); refused by name (EP_OVERLAP_REFUSAL)."""
+        raise NotImplementedError(EP_OVERLAP_REFUSAL)
+
+    def pre_backward(self) -> None:
+        raise NotImplementedError(EP_OVERLAP_REFUSAL)
+
+    def post_backward(self) -> None:
+        raise NotImplementedError(EP_OVERLAP_REFUSAL)
+
+    def post_forward_release_module(self, module: nn.Module) -> None:
+        raise NotImplementedError(EP_OVERLAP_REFUSAL)
+
+    def post_backward_release_module(self, module: nn.Module) -> None:
+        raise NotImplementedError(EP_OVERLAP_REFUSAL)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         """Keys as this wrapper writes them (``module.``-prefixed, as stock's) or
