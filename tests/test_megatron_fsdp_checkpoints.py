@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -263,3 +265,68 @@ def test_two_groups_into_stock_are_refused_with_nothing_loaded(two_groups):
     _, before, after, error = two_groups["into_stock"]
     assert error is not None and "Size mismatch" in error, error
     assert_same(before, after)
+
+
+# --- name-keyed: NeMo AutoModel's way (fully_shard_model, then fully_shard_optimizer on two groups) ---
+
+def named_shard(lib, mesh, seed: int):
+    """NeMo AutoModel's order: the model first, then an optimizer of two groups
+    (not in the model's order) on its distributed parameters, then binding.
+    Stock keeps those groups here (only its combined fully_shard collapses them)."""
+    model = lib.fully_shard_model(Net(seed), device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                                  tp_dim="tp", hybrid_fsdp_group=mesh["hsdp"].get_group(), fsdp_unit_modules=[Block],
+                                  zero_dp_strategy=3, device=torch.device("cpu"),
+                                  mixed_precision_policy=lib.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                                                  main_grads_dtype=torch.float32))
+    model._replace_param_with_distributed_if_needed()
+    named = dict(model.named_parameters())
+    blocks = [p for n, p in named.items() if ".blocks." in n]
+    rest = [p for n, p in named.items() if ".blocks." not in n]
+    optimizer = torch.optim.Adam([{"params": blocks, "lr": 0.02}, {"params": rest}], lr=0.01)
+    return model, lib.fully_shard_optimizer(optimizer)
+
+
+def named_moments(model, optimizer) -> dict:
+    """Every moment as a whole tensor, by parameter name (the name-keyed state dict's own keys)."""
+    state = get_optimizer_state_dict(model, optimizer)["state"]
+    names = sorted(state)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, names)
+    return {(n, k): whole(state.get(n, {}).get(k)) for n in sorted(set().union(*every))
+            for k in ("exp_avg", "exp_avg_sq", "step")}
+
+
+def named_worker(rank, world, tmp):
+    flatten = StateDictOptions(flatten_optimizer_state_dict=True)
+    out = {}
+    for writer, reader in (("stock", "flatfsdp"), ("flatfsdp", "stock"), ("flatfsdp", "flatfsdp")):
+        mesh = build_mesh(LAYOUTS["zero3"][0])
+        model, optimizer = named_shard(library(writer), mesh, seed=0)
+        train_step(model, optimizer, rank)
+        saved = named_moments(model, optimizer)
+        path = f"{tmp}/named-{writer}-{reader}"
+        dcp.save({"model": get_model_state_dict(model),
+                  "optim": get_optimizer_state_dict(model, optimizer, options=flatten)}, checkpoint_id=path)
+        model, optimizer = named_shard(library(reader), mesh, seed=1)
+        state = {"model": get_model_state_dict(model),
+                 "optim": get_optimizer_state_dict(model, optimizer, options=flatten)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=flatten)
+        out[(writer, reader)] = (saved, named_moments(model, optimizer))
+    return out
+
+
+@pytest.fixture(scope="module")
+def named_exchanges(tmp_path_factory):
+    return run_ranks(named_worker, 2, str(tmp_path_factory.mktemp("mfsdp_named")))[0]
+
+
+@pytest.mark.parametrize("writer, reader", [("stock", "flatfsdp"), ("flatfsdp", "stock"), ("flatfsdp", "flatfsdp")])
+def test_name_keyed_state_of_two_groups_moves_with_every_moment_under_its_name(named_exchanges, writer, reader):
+    saved, loaded = named_exchanges[(writer, reader)]
+    moments = {key: value for key, value in saved.items() if key[1] != "step"}
+    assert len(moments) == 2 * 16  # every parameter of Net (16) has both Adam moments, on some rank
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor) and key[1] != "step":
+            assert torch.equal(value, loaded[key]), key
