@@ -25,7 +25,7 @@ from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import DEFAULT_BUDGET, _load_batch, _select, _write_safetensors
 from flatfsdp.checkpoint.hf_companions import write_companions, write_json
 from flatfsdp.checkpoint.lora_export import LORA_CONFIG_ENTRY, export_lora_hf
-from flatfsdp.checkpoint.save_load import open_checkpoint
+from flatfsdp.checkpoint.open_any import open_any, refuse_torch_dist
 
 CONFIG_ENTRY = "hf_config"
 """Checkpoint entry holding the model's config as a JSON string."""
@@ -72,7 +72,7 @@ def _shards(tensors, limit: int) -> list[list]:
     return files + [current] if current else files
 
 
-def export_hf(directory, out_dir, *, config=None, prefix: str = "model.", max_shard_bytes: int = DEFAULT_MAX_SHARD,
+def export_hf(directory, out_dir, *, config=None, prefix: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD,
               budget_bytes: int = DEFAULT_BUDGET) -> dict:
     """Write checkpoint ``directory``'s entries under ``prefix`` (named without it)
     as a Hugging Face model directory ``out_dir``, which must not exist or be
@@ -84,7 +84,10 @@ def export_hf(directory, out_dir, *, config=None, prefix: str = "model.", max_sh
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointError(f"{out_dir} exists and is not an empty directory: will not overwrite it")
-    reader = open_checkpoint(directory)
+    opened = open_any(directory)
+    refuse_torch_dist(opened, "export --format hf")
+    reader = opened.reader
+    prefix = opened.model_prefix if prefix is None else prefix
     metadata = reader.read_metadata()
     hf_config = _read_config(reader, metadata, None if config is None else os.fspath(config))
     if LORA_CONFIG_ENTRY in metadata.state_dict_metadata:  # a LoRA run: merged model + adapter folder

@@ -209,7 +209,9 @@ def _optimizer_entries(src, common, args, opts, states, params, sources) -> dict
             sources[f"optimizer.state.{prefix}{name}.{name_of_state}"] = (
                 Region(saved, piece.offsets, piece.sizes), piece.shape)
         state[f"{prefix}{name}"] = entry
-        meta[f"{prefix}{name}"] = megatron_groups.per_parameter(group)
+        # Group entries stay under the whole parameter's name: Megatron-LM splits a gated MLP's
+        # weight only for the model and the optimizer state, not for the group metadata.
+        meta[f"{prefix}{piece.whole}"] = megatron_groups.per_parameter(group)
     return {"state": state, "param_to_group_meta": meta}
 
 
