@@ -29,6 +29,7 @@ import warnings
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from flatfsdp.checkpoint import inert_pickle, megatron_layout, torch_dist_plan
@@ -79,8 +80,14 @@ def _write(source: ForeignCheckpoint, plan: torch_dist_plan.Plan, partial: str) 
     folder = os.path.join(partial, name)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
-        dcp.save(plan.state_dict, storage_writer=FileSystemWriter(folder, thread_count=1, sync_files=True),
-                 planner=_StreamingSavePlanner(source, plan), no_dist=True)
+        try:
+            dcp.save(plan.state_dict, storage_writer=FileSystemWriter(folder, thread_count=1, sync_files=True),
+                     planner=_StreamingSavePlanner(source, plan), no_dist=True)
+        except CheckpointException as exc:  # DCP wraps every error of its phases: raise ours plainly
+            cause = next(iter(exc.failures.values()))[0]
+            if isinstance(cause, (CheckpointError, OSError)):
+                raise cause from None
+            raise CheckpointError(f"writing {folder} failed: {type(cause).__name__}: {cause}") from None
     write_manifest(folder)
     tracker = os.path.join(partial, megatron_layout.TRACKER_NAME)
     with open(tracker, "w", encoding="utf-8") as f:

@@ -33,7 +33,7 @@ from flatfsdp.checkpoint import megatron_groups
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.foreign_read import ForeignCheckpoint, Region
 from flatfsdp.checkpoint.inert_pickle import fields
-from flatfsdp.checkpoint.megatron_names import Piece, pieces, stacked
+from flatfsdp.checkpoint.megatron_names import pieces, stacked
 
 MAIN_PARAM_STATE = "param"
 READABLE_OPTIMIZER_FORMAT = "fully_reshardable"
@@ -221,4 +221,4 @@ def _skipped(src: ForeignCheckpoint, model_keys: list[str]) -> list[str]:
                                                                                   "common_state/")))
 
 
-__all__ = ["Plan", "Piece", "build", "read_common"]
+__all__ = ["Plan", "build", "read_common"]
