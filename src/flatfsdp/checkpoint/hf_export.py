@@ -55,6 +55,20 @@ def _read_config(reader, metadata, config) -> dict:
     return loaded
 
 
+MEGATRON_CORE_NAMES = ("embedding.word_embeddings.weight", "decoder.layers.", "decoder.final_layernorm.")
+
+
+def _refuse_megatron_core_names(directory: str, tensors) -> None:
+    """A Megatron-Core model's names are no transformers model's: written as they are, from_pretrained
+    would leave every weight at its initial value (with a warning), so the export is refused instead."""
+    found = next((name for _key, name, _md in tensors if name.startswith(MEGATRON_CORE_NAMES)), None)
+    if found is not None:
+        raise CheckpointError(f"{directory} holds a Megatron-Core model ({found}, ...), whose parameter names no "
+                              "transformers model has; --format hf writes a checkpoint's names as they are. Export "
+                              "its tensors with `flatfsdp checkpoint export DIR OUT.safetensors` and map them to "
+                              "your transformers architecture (Megatron-Bridge does for many)")
+
+
 def _nbytes(item) -> int:
     return item[2].size.numel() * item[2].properties.dtype.itemsize
 
@@ -93,6 +107,7 @@ def export_hf(directory, out_dir, *, config=None, prefix: str | None = None, max
     if LORA_CONFIG_ENTRY in metadata.state_dict_metadata:  # a LoRA run: merged model + adapter folder
         return export_lora_hf(reader, metadata, out_dir, hf_config, prefix, TIED_OUTPUT)
     tensors = [c for c in _select(metadata, prefix) if c[2] is not None]
+    _refuse_megatron_core_names(opened.directory, tensors)
     if hf_config.get("tie_word_embeddings"):
         tensors = [c for c in tensors if c[1] != TIED_OUTPUT]
     if not tensors:
