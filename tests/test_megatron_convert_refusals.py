@@ -71,13 +71,13 @@ def test_torch_dist_where_fsdp_dtensor_is_expected_names_the_convert_command(sou
     assert not os.listdir(tmp_path)
 
 
-def test_export_hf_of_megatron_core_names_is_refused_naming_them(source, tmp_path):
-    convert(source, tmp_path / "fd")
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(CheckpointError, match=r"fd/iter_0000007 holds a Megatron-Core model \(decoder\.final_layernorm"
-                                              r"\.bias, \.\.\.\), whose parameter names no transformers model has"):
-        checkpoint.export_hf(tmp_path / "fd", tmp_path / "hf", config=tmp_path / "config.json")
-    assert not (tmp_path / "hf").exists()
+def test_export_hf_of_a_converted_gated_model_is_refused_naming_its_architecture(tmp_path):
+    mf.write_torch_dist(str(tmp_path / "run"), gated=True)
+    convert(tmp_path / "run", tmp_path / "fd")
+    with pytest.raises(CheckpointError, match=r"fd/iter_0000007: the run used --swiglu True; --format hf writes a "
+                                              r"Megatron-Core GPTModel only as GPT-2"):
+        checkpoint.export_hf(tmp_path / "fd", tmp_path / "hf")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("hf")]
 
 
 def test_a_checkpoint_of_another_model_than_its_arguments_say_is_refused(tmp_path):

@@ -22,6 +22,7 @@ from flatfsdp.checkpoint.save_load import check_save_target, load, save
 from flatfsdp.checkpoint.staging import StagingBuffers
 from flatfsdp.checkpoint.torch_dist_convert import convert_torch_dist_to_fsdp_dtensor
 
-__all__ = ["AsyncSave", "CheckpointError", "HF_CONFIG_ENTRY", "MANIFEST_NAME", "check_save_target", "export_checkpoint", "export_hf",
-           "import_state_dict", "load", "save", "StagingBuffers", "summarize", "wait_for_saves_in_flight",
-           "companion_entries", "read_tokenizer_record", "convert_torch_dist_to_fsdp_dtensor"]
+__all__ = ["AsyncSave", "CheckpointError", "HF_CONFIG_ENTRY", "MANIFEST_NAME", "check_save_target",
+           "export_checkpoint", "export_hf", "import_state_dict", "load", "save", "StagingBuffers", "summarize",
+           "wait_for_saves_in_flight", "companion_entries", "read_tokenizer_record",
+           "convert_torch_dist_to_fsdp_dtensor"]

@@ -119,14 +119,7 @@ class ForeignCheckpoint:
                                       f"{METADATA_NAME} reads up to byte {end})")
 
     def _read(self, regions: list[Region], byte_keys: list[str]) -> _RegionPlanner:
-        for key in [r.key for r in regions] + list(byte_keys):
-            if key not in self.entries:
-                raise CheckpointError(f"{self.directory} holds no entry {key!r}")
-        planner = _RegionPlanner(list(regions), list(byte_keys))
-        with unwrap_dcp_errors(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
-            dcp.load({}, storage_reader=self.reader, planner=planner, no_dist=True)
-        return planner
+        return _read(self.reader, self.directory, self.entries, regions, byte_keys)
 
     def read_regions(self, regions: list[Region]) -> list[torch.Tensor]:
         """One tensor per region, in order (two regions of one key must not start at the same offsets)."""
@@ -139,5 +132,23 @@ class ForeignCheckpoint:
 
     def read_objects(self, keys: list[str]) -> dict:
         """The pickled values under ``keys``, read inertly (Note [inert unpickling])."""
-        raw = self._read([], keys).raw
-        return {key: inert_pickle.loads(raw[key], f"{self.directory}: entry {key!r}") for key in keys}
+        return read_objects(self.reader, self.directory, keys)
+
+
+def _read(reader, directory: str, entries: dict, regions: list[Region], byte_keys: list[str]) -> _RegionPlanner:
+    for key in [r.key for r in regions] + list(byte_keys):
+        if key not in entries:
+            raise CheckpointError(f"{directory} holds no entry {key!r}")
+    planner = _RegionPlanner(list(regions), list(byte_keys))
+    with unwrap_dcp_errors(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
+        dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+    return planner
+
+
+def read_objects(reader, directory: str, keys: list[str]) -> dict:
+    """The pickled values under ``keys`` of the checkpoint ``reader`` reads, read inertly -- also
+    for a checkpoint of flatfsdp's (a converted one keeps Megatron-LM's argument namespace)."""
+    entries = reader.read_metadata().state_dict_metadata
+    raw = _read(reader, directory, entries, [], keys).raw
+    return {key: inert_pickle.loads(raw[key], f"{directory}: entry {key!r}") for key in keys}

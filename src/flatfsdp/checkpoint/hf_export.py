@@ -25,6 +25,7 @@ from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import DEFAULT_BUDGET, _load_batch, _select, _write_safetensors
 from flatfsdp.checkpoint.hf_companions import write_companions, write_json
 from flatfsdp.checkpoint.lora_export import LORA_CONFIG_ENTRY, export_lora_hf
+from flatfsdp.checkpoint.megatron_hf_export import export_megatron_gpt
 from flatfsdp.checkpoint.open_any import open_any, refuse_torch_dist
 
 CONFIG_ENTRY = "hf_config"
@@ -56,17 +57,7 @@ def _read_config(reader, metadata, config) -> dict:
 
 
 MEGATRON_CORE_NAMES = ("embedding.word_embeddings.weight", "decoder.layers.", "decoder.final_layernorm.")
-
-
-def _refuse_megatron_core_names(directory: str, tensors) -> None:
-    """A Megatron-Core model's names are no transformers model's: written as they are, from_pretrained
-    would leave every weight at its initial value (with a warning), so the export is refused instead."""
-    found = next((name for _key, name, _md in tensors if name.startswith(MEGATRON_CORE_NAMES)), None)
-    if found is not None:
-        raise CheckpointError(f"{directory} holds a Megatron-Core model ({found}, ...), whose parameter names no "
-                              "transformers model has; --format hf writes a checkpoint's names as they are. Export "
-                              "its tensors with `flatfsdp checkpoint export DIR OUT.safetensors` and map them to "
-                              "your transformers architecture (Megatron-Bridge does for many)")
+"""Names only a Megatron-Core model has: its checkpoint is exported as GPT-2 (megatron_gpt_hf.py)."""
 
 
 def _nbytes(item) -> int:
@@ -103,11 +94,13 @@ def export_hf(directory, out_dir, *, config=None, prefix: str | None = None, max
     reader = opened.reader
     prefix = opened.model_prefix if prefix is None else prefix
     metadata = reader.read_metadata()
+    selected = [c for c in _select(metadata, prefix) if c[2] is not None]
+    if any(name.startswith(MEGATRON_CORE_NAMES) for _key, name, _md in selected):
+        return export_megatron_gpt(opened, selected, out_dir, config)
     hf_config = _read_config(reader, metadata, None if config is None else os.fspath(config))
     if LORA_CONFIG_ENTRY in metadata.state_dict_metadata:  # a LoRA run: merged model + adapter folder
         return export_lora_hf(reader, metadata, out_dir, hf_config, prefix, TIED_OUTPUT)
-    tensors = [c for c in _select(metadata, prefix) if c[2] is not None]
-    _refuse_megatron_core_names(opened.directory, tensors)
+    tensors = selected
     if hf_config.get("tie_word_embeddings"):
         tensors = [c for c in tensors if c[1] != TIED_OUTPUT]
     if not tensors:

@@ -32,10 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("directory", help="the checkpoint (flatfsdp's, or Megatron-LM's fsdp_dtensor)")
     export.add_argument("output", help="OUT.safetensors or OUT.pt; with --format hf a new directory")
     export.add_argument("--format", choices=["file", "hf"], default="file",
-                        help="hf: a folder transformers' from_pretrained loads, model and tokenizer")
+                        help="hf: a folder transformers' from_pretrained loads, model and tokenizer (a Megatron-Core "
+                             "GPTModel as GPT-2)")
     export.add_argument("--config", metavar="PATH",
                         help="--format hf: the model's config.json (default: the one the checkpoint holds, saved "
-                             "by flatfsdp train --hf-model)")
+                             "by flatfsdp train --hf-model; for a Megatron-Core GPTModel, GPT-2's, made from the "
+                             "run's own arguments)")
     export.add_argument("--max-shard-mib", type=int, default=4096, metavar="MIB",
                         help="--format hf: largest safetensors file before splitting, with an index")
     export.add_argument("--prefix", default=None,
