@@ -89,11 +89,13 @@ class _RegionPlanner(LoadPlanner):
 class ForeignCheckpoint:
     """One DCP directory written by another program, opened for reading only."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, *, check_files: bool = True):
+        """``check_files`` False: the metadata alone, to tell what the folder is before vouching for it."""
         self.directory = directory
         self.reader = VerifiedReader(directory, expected_sha256=None, listed=None)
         self.metadata = self.reader.read_metadata()
-        self._check_files()
+        if check_files:
+            self.check_files()
 
     @property
     def entries(self) -> dict:
@@ -105,7 +107,7 @@ class ForeignCheckpoint:
     def object_keys(self) -> list[str]:
         return [k for k, v in self.entries.items() if isinstance(v, BytesStorageMetadata)]
 
-    def _check_files(self) -> None:
+    def check_files(self) -> None:
         """Every byte the metadata points into is there (no hashes exist to check more)."""
         needed: dict[str, int] = {}
         for info in (self.metadata.storage_data or {}).values():

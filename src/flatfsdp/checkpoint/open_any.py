@@ -50,10 +50,11 @@ def _megatron(directory: str) -> Opened | None:
     if found == "torch":
         raise CheckpointError(f"{directory} is {megatron_layout.DESCRIPTIONS['torch']}: not read here (convert it "
                               "to torch_dist with Megatron-LM's --ckpt-convert-format torch_dist first)")
-    source = ForeignCheckpoint(directory)
+    source = ForeignCheckpoint(directory, check_files=False)
     found = megatron_layout.checkpoint_format(directory, source.entries)
     if found not in ("torch_dist", "fsdp_dtensor"):
-        return None
+        return None  # an interrupted flatfsdp save, say: flatfsdp's own refusal names it
+    source.check_files()
     return Opened(source.reader, directory, found, verified=False)
 
 

@@ -108,7 +108,7 @@ def convert_torch_dist_to_fsdp_dtensor(source, out, *, transformer_impl: str | N
     located = megatron_layout.locate(source)
     found = megatron_layout.checkpoint_format(located.directory)
     if found != "torch_dist":
-        checkpoint = ForeignCheckpoint(located.directory) if found in ("dcp", "flatfsdp") else None
+        checkpoint = ForeignCheckpoint(located.directory, check_files=False) if found in ("dcp", "flatfsdp") else None
         names = checkpoint.entries if checkpoint is not None else None
         found = megatron_layout.checkpoint_format(located.directory, names)
         raise megatron_layout.wrong_format(located.directory, found, "torch_dist",
