@@ -1,4 +1,4 @@
-"""`flatfsdp checkpoint {inspect,export,import}`: checkpoint tools that need no process group
+"""`flatfsdp checkpoint {inspect,export,import,convert}`: checkpoint tools that need no process group
 (their flags: flatfsdp.cli.checkpoint_flags).
 
 Problems with the checkpoint (missing, incomplete, corrupted, unreadable) print
@@ -14,6 +14,7 @@ from flatfsdp.checkpoint.export import export_checkpoint
 from flatfsdp.checkpoint.hf_export import export_hf
 from flatfsdp.checkpoint.import_ import import_state_dict
 from flatfsdp.checkpoint.inspect import format_table, summarize
+from flatfsdp.checkpoint.torch_dist_convert import convert_torch_dist_to_fsdp_dtensor
 from flatfsdp.cli.checkpoint_flags import PROG, parse
 from flatfsdp.cli.flags import fail, parse_or_exit
 
@@ -54,13 +55,25 @@ def _import(args) -> None:
     print(f"wrote a checkpoint of {count} tensors (keys prefixed {args.prefix!r}) to {args.directory}")
 
 
+def _convert(args) -> None:
+    report = convert_torch_dist_to_fsdp_dtensor(args.source, args.output, transformer_impl=args.transformer_impl,
+                                                swiglu=args.swiglu, model_only=args.model_only)
+    optimizer = (f"optimizer state ({', '.join(report['optimizer_states'])}, step, groups)"
+                 if report["optimizer_states"] else "no optimizer state (resume with --no-load-optim)")
+    print(f"wrote iteration {report['iteration']} as fsdp_dtensor: {report['parameters']} parameters, {optimizer}, "
+          f"{len(report['skipped'])} entries left out; layer norms named for --transformer-impl "
+          f"{report['layer_norm_names']}, gated MLP {'split' if report['gated'] else 'not split'}, optimizer names "
+          f"{'with' if report['float16_module'] else 'without'} Float16Module -> {report['output']} "
+          f"(Megatron-LM: --load {args.output} --ckpt-format fsdp_dtensor --use-megatron-fsdp)")
+
+
 def main(argv: list[str] | None = None) -> None:
     run_args(parse_or_exit(parse, argv, PROG))
 
 
 def run_args(args) -> None:
     """The tool on a parsed command line (flatfsdp.cli.checkpoint_flags)."""
-    handlers = {"inspect": _inspect, "export": _export, "import": _import}
+    handlers = {"inspect": _inspect, "export": _export, "import": _import, "convert": _convert}
     try:
         handlers[args.command](args)
     except (CheckpointError, OSError) as exc:

@@ -19,7 +19,8 @@ from flatfsdp.checkpoint.coordination import Coordination
 from flatfsdp.checkpoint.errors import CheckpointError, unwrap_dcp_errors
 from flatfsdp.checkpoint.safe_read import SafeLoadPlanner, VerifiedReader
 from flatfsdp.checkpoint.safetensors_format import SafetensorsStreamWriter
-from flatfsdp.checkpoint.save_load import open_checkpoint, quiet_no_dist
+from flatfsdp.checkpoint.open_any import open_any, refuse_torch_dist
+from flatfsdp.checkpoint.save_load import quiet_no_dist
 
 DEFAULT_BUDGET = 1 << 30
 
@@ -78,9 +79,10 @@ def _consolidate(reader: VerifiedReader, chosen, budget: int) -> dict:
     return out
 
 
-def export_checkpoint(directory, out_path, *, prefix: str = "model.", budget_bytes: int = DEFAULT_BUDGET) -> dict:
+def export_checkpoint(directory, out_path, *, prefix: str | None = None, budget_bytes: int = DEFAULT_BUDGET) -> dict:
     """Write the entries of checkpoint ``directory`` whose key starts with ``prefix``
-    to ``out_path`` (`.safetensors` or `.pt`), named without the prefix.
+    to ``out_path`` (`.safetensors` or `.pt`), named without the prefix. ``prefix`` None:
+    where the format keeps the model (``model.``; Megatron-LM's fsdp_dtensor: ``model.module.``).
 
     Runs in this process alone, also inside a distributed job (call it on one rank).
     ``prefix=""`` exports everything. Non-tensor entries go into `.pt` files only
@@ -91,11 +93,14 @@ def export_checkpoint(directory, out_path, *, prefix: str = "model.", budget_byt
     kind = os.path.splitext(out_path)[1]
     if kind not in (".safetensors", ".pt"):
         raise CheckpointError(f"{out_path}: output must end in .safetensors or .pt")
-    reader = open_checkpoint(directory)
+    opened = open_any(directory)
+    refuse_torch_dist(opened, "export")
+    reader = opened.reader
+    prefix = opened.model_prefix if prefix is None else prefix
     chosen = _select(reader.read_metadata(), prefix)
     tensors = [c for c in chosen if c[2] is not None]
     if not tensors:
-        raise CheckpointError(f"{reader.path} holds no tensors under the prefix {prefix!r}")
+        raise CheckpointError(f"{opened.directory} holds no tensors under the prefix {prefix!r}")
     partial = f"{out_path}.partial"
     try:
         if kind == ".safetensors":

@@ -25,7 +25,8 @@ from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import DEFAULT_BUDGET, _load_batch, _select, _write_safetensors
 from flatfsdp.checkpoint.hf_companions import write_companions, write_json
 from flatfsdp.checkpoint.lora_export import LORA_CONFIG_ENTRY, export_lora_hf
-from flatfsdp.checkpoint.save_load import open_checkpoint
+from flatfsdp.checkpoint.megatron_hf_export import export_megatron_gpt
+from flatfsdp.checkpoint.open_any import open_any, refuse_torch_dist
 
 CONFIG_ENTRY = "hf_config"
 """Checkpoint entry holding the model's config as a JSON string."""
@@ -55,6 +56,10 @@ def _read_config(reader, metadata, config) -> dict:
     return loaded
 
 
+MEGATRON_CORE_NAMES = ("embedding.word_embeddings.weight", "decoder.layers.", "decoder.final_layernorm.")
+"""Names only a Megatron-Core model has: its checkpoint is exported as GPT-2 (megatron_gpt_hf.py)."""
+
+
 def _nbytes(item) -> int:
     return item[2].size.numel() * item[2].properties.dtype.itemsize
 
@@ -72,7 +77,7 @@ def _shards(tensors, limit: int) -> list[list]:
     return files + [current] if current else files
 
 
-def export_hf(directory, out_dir, *, config=None, prefix: str = "model.", max_shard_bytes: int = DEFAULT_MAX_SHARD,
+def export_hf(directory, out_dir, *, config=None, prefix: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD,
               budget_bytes: int = DEFAULT_BUDGET) -> dict:
     """Write checkpoint ``directory``'s entries under ``prefix`` (named without it)
     as a Hugging Face model directory ``out_dir``, which must not exist or be
@@ -84,12 +89,18 @@ def export_hf(directory, out_dir, *, config=None, prefix: str = "model.", max_sh
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointError(f"{out_dir} exists and is not an empty directory: will not overwrite it")
-    reader = open_checkpoint(directory)
+    opened = open_any(directory)
+    refuse_torch_dist(opened, "export --format hf")
+    reader = opened.reader
+    prefix = opened.model_prefix if prefix is None else prefix
     metadata = reader.read_metadata()
+    selected = [c for c in _select(metadata, prefix) if c[2] is not None]
+    if any(name.startswith(MEGATRON_CORE_NAMES) for _key, name, _md in selected):
+        return export_megatron_gpt(opened, selected, out_dir, config)
     hf_config = _read_config(reader, metadata, None if config is None else os.fspath(config))
     if LORA_CONFIG_ENTRY in metadata.state_dict_metadata:  # a LoRA run: merged model + adapter folder
         return export_lora_hf(reader, metadata, out_dir, hf_config, prefix, TIED_OUTPUT)
-    tensors = [c for c in _select(metadata, prefix) if c[2] is not None]
+    tensors = selected
     if hf_config.get("tie_word_embeddings"):
         tensors = [c for c in tensors if c[1] != TIED_OUTPUT]
     if not tensors:

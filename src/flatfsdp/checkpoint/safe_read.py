@@ -28,6 +28,7 @@ import pickle
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from flatfsdp.checkpoint.errors import CheckpointError, weights_only_reason
@@ -45,6 +46,10 @@ _ALLOWED.update({
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
 })
+# Megatron-Core's torch_dist writer also keeps its save plans in the metadata (to reuse them on the
+# next save): DCP's own plain dataclasses and enum, read when flatfsdp converts such a checkpoint.
+_ALLOWED.update({("torch.distributed.checkpoint.planner", name): getattr(dcp_planner, name)
+                 for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")})
 _ALLOWED.update({("pathlib", n): getattr(pathlib, n)
                  for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")})
 

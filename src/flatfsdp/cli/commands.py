@@ -49,7 +49,7 @@ COMMANDS = {c.name: c for c in (
             "flatfsdp.cli.estimate_flags:parse", "flatfsdp.estimator.cli:run_args"),
     Command("bench", "flatfsdp against FSDP2, DeepSpeed and the compute floor",
             "flatfsdp.bench.options:parse", "flatfsdp.bench.__main__:run_parsed"),
-    Command("checkpoint", "inspect, export (a file or a Hugging Face folder) and import",
+    Command("checkpoint", "inspect, export (a file or a Hugging Face folder), import; torch_dist -> fsdp_dtensor",
             "flatfsdp.cli.checkpoint_flags:parse", "flatfsdp.checkpoint.cli:run_args"),
 )}
 
