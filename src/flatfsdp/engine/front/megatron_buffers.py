@@ -106,6 +106,14 @@ class DistributedIndexGroups:
     def get_root_mesh(self, is_expert_parallel: bool = False):
         return self.expt_device_mesh if is_expert_parallel else self.device_mesh
 
+    def get_submesh(self, mesh_dim_names, is_expert_parallel: bool = False):
+        """The sub-mesh of the named dimension(s) (Megatron-Core's checkpoint code asks for ``[tp_dim]``)."""
+        mesh = self.expt_device_mesh if is_expert_parallel else self.device_mesh
+        names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+        if mesh is None or not set(names) <= set(mesh.mesh_dim_names or ()):
+            raise ValueError(f"{type(self).__name__}: no sub-mesh {names} (expert={is_expert_parallel}) in {mesh}")
+        return mesh[names if len(names) > 1 else names[0]]
+
 
 class DistributedIndex(DistributedIndexGroups):
     """Megatron-FSDP's ``FSDPDistributedIndex``: the meshes and process groups
