@@ -313,14 +313,20 @@ REDIRECTED_SCRIPT = """
 import sys
 import megatron.core.distributed.fsdp.src.megatron_fsdp as bundled
 from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import find_megatron_fsdp
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import split_dtensor
+from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import make_fsdp_dtensor
 import flatfsdp.megatron_fsdp as ours
+import flatfsdp.megatron_fsdp.param_and_grad_buffer
+import flatfsdp.megatron_fsdp.uneven_dtensor
 try:
-    import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer
+    import megatron.core.distributed.fsdp.src.megatron_fsdp.no_such_module
     missing = "imported"
 except ImportError:
     missing = "ImportError"
+served = (split_dtensor is ours.uneven_dtensor.split_dtensor
+          and make_fsdp_dtensor is ours.param_and_grad_buffer.make_fsdp_dtensor)
 print(bundled is ours, bundled.MegatronFSDP is ours.MegatronFSDP, find_megatron_fsdp is ours.utils.find_megatron_fsdp,
-      missing, sys.argv[1:])
+      served, missing, sys.argv[1:])
 """
 
 
@@ -343,7 +349,7 @@ def test_the_redirect_launcher_answers_megatron_cores_bundled_package_with_this_
     run = subprocess.run([sys.executable, "-m", "flatfsdp.megatron_fsdp.redirect", str(script), "--x", "1"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[-2] == "True True True ImportError ['--x', '1']"
+    assert run.stdout.split("\n")[-2] == "True True True True ImportError ['--x', '1']"
     late = subprocess.run([sys.executable, "-c", "import megatron.core.distributed.fsdp.src as s, sys; "
                            "sys.modules['megatron.core.distributed.fsdp.src.megatron_fsdp'] = s; "
                            "import flatfsdp.megatron_fsdp.redirect as r; r.install()"],

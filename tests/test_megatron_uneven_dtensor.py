@@ -17,6 +17,9 @@ The layout arithmetic itself is tested alone, in this process.
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -146,8 +149,10 @@ def _splits(ours, flat) -> dict:
     replicated = distribute_tensor(_arange(6, 10), flat, [Replicate()])
     locals_ok = [torch.equal(p.to_local(), ref) for p, ref in
                  zip(ours.split_dtensor(replicated, 4, dim=1), _arange(6, 10).split(4, dim=1))]
+    copies = [copy.deepcopy(pieces[1]), pickle.loads(pickle.dumps(pieces[1]))]
     return {"fulls": fulls, "chunks": chunks, "shares_storage": shares, "replicated_locals": locals_ok,
-            "full_tensor_of_a_piece": torch.equal(pieces[1].full_tensor(), whole[3:9])}
+            "full_tensor_of_a_piece": torch.equal(pieces[1].full_tensor(), whole[3:9]),
+            "copies": [(type(c) is DTensor, torch.equal(c.to_local(), pieces[1].to_local())) for c in copies]}
 
 
 def _bad_input(ours, flat) -> dict:
@@ -262,6 +267,7 @@ def test_split_pieces_view_the_part_and_say_where_it_lies(four_ranks):
         splits = result["splits"]
         assert all(splits["fulls"]) and all(splits["replicated_locals"]) and splits["full_tensor_of_a_piece"]
         assert splits["shares_storage"]
+        assert splits["copies"] == [(True, True), (True, True)]  # a copy or pickle of a piece is a plain DTensor
         for (offset, shape), (lo, hi) in zip(splits["chunks"], [(0, 3), (3, 9), (9, 10)]):
             part = (max(starts[rank], lo), min(starts[rank] + [4, 0, 5, 1][rank], hi))
             if part[1] > part[0]:

@@ -27,6 +27,7 @@ from flatfsdp.megatron_fsdp.config_fields import keywords_from_config, policy_fr
 from flatfsdp.megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
 from flatfsdp.megatron_fsdp.model_keys import checked_module_state_dict
 from flatfsdp.megatron_fsdp.distributed_index import FSDPDistributedIndex
+from flatfsdp.megatron_fsdp.sharded_params import give_megatron_members
 
 DELEGATED = frozenset({
     "param_and_grad_buffer", "no_sync", "sync", "set_model_auto_sync", "get_distributed_index",
@@ -75,6 +76,7 @@ class MegatronFSDP(nn.Module):
             sync_model_each_microbatch=sync_model_each_microbatch, disable_bucketing=disable_bucketing,
             calculate_per_token_loss=calculate_per_token_loss, **keywords)
         engine.hand_module_to_wrapper(module)
+        give_megatron_members(module)  # megatron_fsdp_slice / _dist_index, read by fsdp_dtensor checkpoints
         self.module = module
         self.ddp_config = ddp_config  # the config as given: a record (the engine read it once, above)
         self.dist_index = dist_index

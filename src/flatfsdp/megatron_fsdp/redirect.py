@@ -5,9 +5,10 @@ Megatron-Core imports its own bundled copy of megatron_fsdp, under
 finder first on ``sys.meta_path`` that answers that name and its submodules
 with this package (``flatfsdp.megatron_fsdp`` and ``.utils``, ``.fully_shard``,
 ...): the very same module objects, so the adapter's ``MegatronFSDP`` *is*
-``flatfsdp.megatron_fsdp.MegatronFSDP``. A submodule this package does not
-have (``param_and_grad_buffer``, ``uneven_dtensor``) is not found, and
-Megatron-Core's optional imports of it fall back as without megatron_fsdp.
+``flatfsdp.megatron_fsdp.MegatronFSDP`` (and ``uneven_dtensor``,
+``param_and_grad_buffer``: Megatron-LM's ``fsdp_dtensor`` checkpoints). A
+submodule this package does not have is not found, and Megatron-Core's
+optional imports of it fall back as without megatron_fsdp.
 
 It must run before anything imports ``megatron.core``. Two ways, both without
 editing Megatron-LM (docs/megatron.md):

@@ -58,10 +58,10 @@ class UnevenChunks:
         return whole_tensor(self, "full_tensor")
 
     def __deepcopy__(self, memo: dict) -> DTensor:
-        return copy.deepcopy(plain(self, keep_state=True), memo)
+        return plain_copy(self, memo)
 
     def __reduce_ex__(self, protocol: int):
-        return plain(self, keep_state=True).__reduce_ex__(protocol)
+        return plain_copy(self, {}).__reduce_ex__(protocol)
 
 
 def over(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
@@ -95,15 +95,20 @@ def known_box(dtensor: DTensor) -> Box:
     return box
 
 
-def plain(dtensor: DTensor, keep_state: bool = False) -> DTensor:
-    """The same part and spec as a plain DTensor (a Parameter stays one):
-    what a copy or a pickle of a swapped DTensor is. ``keep_state``: with the
-    instance's other attributes (its box stays behind), as torch copies them."""
-    out = DTensor(dtensor._local_tensor, dtensor._spec, requires_grad=False)
+def plain(dtensor: DTensor) -> DTensor:
+    """The same part (the same storage) and spec as a plain DTensor."""
+    return DTensor(dtensor._local_tensor, dtensor._spec, requires_grad=False)
+
+
+def plain_copy(dtensor: DTensor, memo: dict) -> DTensor:
+    """What a copy or a pickle of a swapped DTensor is: a plain DTensor over a
+    copy of its part (a Parameter stays one), with the instance's other
+    attributes copied as torch copies them -- its box stays behind."""
+    out = DTensor(dtensor._local_tensor.detach().clone(), dtensor._spec, requires_grad=False)
     if isinstance(dtensor, torch.nn.Parameter):
         out = torch.nn.Parameter(out, requires_grad=dtensor.requires_grad)
-    if keep_state:
-        vars(out).update({k: v for k, v in vars(dtensor).items() if k not in (BOX, NESTING)})
+    state = {k: v for k, v in vars(dtensor).items() if k not in (BOX, NESTING, "_is_param")}
+    vars(out).update(copy.deepcopy(state, memo))
     return out
 
 
