@@ -48,6 +48,32 @@ def test_the_classes_are_constructed_with_stocks_parameters(name):
     assert _parameters(getattr(ours, name).__init__) == _parameters(getattr(stock, name).__init__)
 
 
+def test_the_package_signatures_are_the_engines_keyword_tables():
+    """One table: fully_shard_model's and MegatronFSDP's parameters are the engine's
+    (front/keyword_table), as flatfsdp's own doors' are; defaults as stock's."""
+    from flatfsdp.engine import MEGATRON_FSDP_CLASS, MEGATRON_KEYWORDS
+
+    for fn, table, leading in ((ours.fully_shard_model, MEGATRON_KEYWORDS, 1),
+                               (ours.MegatronFSDP.__init__, MEGATRON_FSDP_CLASS, 2)):
+        params = inspect.signature(fn).parameters
+        assert list(params)[leading:] == [k.name for k in table]
+        assert all(params[k.name].default == k.default for k in table)
+    shared = {k.name: k for k in MEGATRON_KEYWORDS}
+    for k in MEGATRON_FSDP_CLASS:  # a name both take is one keyword, read the same way
+        if k.name in shared:
+            assert (k.reads, k.no_op, k.ddp_field) == (shared[k.name].reads, shared[k.name].no_op,
+                                                       shared[k.name].ddp_field), k.name
+    theirs = inspect.signature(stock.MegatronFSDP.__init__).parameters
+    for name, param in inspect.signature(ours.MegatronFSDP.__init__).parameters.items():
+        if name not in ("self", "module", "dist_index", "mixed_precision_policy"):
+            assert param.default == theirs[name].default, name
+    with pytest.raises(TypeError, match=r"fully_shard_model\(\): got an unexpected keyword argument 'dvice_mesh'"):
+        ours.fully_shard_model(nn.Linear(2, 2), dvice_mesh=None)
+    with pytest.raises(TypeError, match=r"MegatronFSDP\(\): got an unexpected keyword argument 'dist_idx'"):
+        ours.MegatronFSDP(nn.Linear(2, 2), dist_idx=None)
+    assert list(inspect.signature(ours.MegatronFSDP).parameters) == ["module", *[k.name for k in MEGATRON_FSDP_CLASS]]
+
+
 @pytest.mark.parametrize("name", ["DistributedDataParallelConfig", "MixedPrecisionPolicy"])
 def test_the_config_classes_have_stocks_fields_and_defaults(name):
     fields = lambda cls: {f.name: f.default for f in dataclasses.fields(cls)}  # noqa: E731
