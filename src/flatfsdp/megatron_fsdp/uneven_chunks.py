@@ -36,7 +36,6 @@ from flatfsdp.megatron_fsdp.chunk_exchange import assemble, block_coords, gather
 from flatfsdp.megatron_fsdp.part_records import BOX, NESTING, Resolution, box_of, is_uneven, record_of, resolve
 
 
-
 class UnevenChunks:
     """Put in front of a DTensor's class by ``mark``; see the module's note."""
 
