@@ -117,7 +117,7 @@ def _cases(flat, square):
 def _error(fn, *args):
     try:
         fn(*args)
-    except (TypeError, ValueError, RuntimeError, CheckpointException) as err:  # DCP's is a BaseException
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, CheckpointException) as err:  # DCP's is a BaseException
         return f"{type(err).__name__}: {err}"
     return None
 
@@ -159,8 +159,18 @@ def _bad_input(ours, flat) -> dict:
     rows = 4  # four ranks each claiming 4 rows of a 10-row tensor
     overlapping = DTensor.from_local(torch.zeros(rows, 3), flat, [Shard(0)], shape=(10, 3), stride=(3, 1),
                                      run_check=False)
+    from flatfsdp.megatron_fsdp import FSDPDistributedIndex
+    from flatfsdp.megatron_fsdp.param_and_grad_buffer import make_fsdp_dtensor
+
     good = _by_hand(_arange(10, 3), flat, [Shard(0)], {0: [4, 0, 5, 1]})
-    return {"not_a_dtensor": _error(ours.uneven_dtensor_to_full_tensor, torch.ones(2)),
+    tp = FSDPDistributedIndex(device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+                              dp_shard_dim="dp", tp_dim="tp")
+    dp = FSDPDistributedIndex(device_mesh=flat, dp_shard_dim="dp")
+    meta = torch.empty(6, 4, device="meta")
+    return {"tensor_parallel": _error(make_fsdp_dtensor, torch.zeros(8), meta, tp),
+            "not_rows": _error(make_fsdp_dtensor, torch.zeros(6), meta, dp),
+            "not_whole": _error(lambda: make_fsdp_dtensor(torch.zeros(8), meta, dp, is_sharded_param=False)),
+            "not_a_dtensor": _error(ours.uneven_dtensor_to_full_tensor, torch.ones(2)),
             "overlapping_full": _error(ours.uneven_dtensor_to_full_tensor, overlapping),
             "overlapping_validate": _error(ours.validate_uneven_dtensor, overlapping),
             "bad_sections": _error(lambda: list(ours.split_dtensor(good, [3, 3], dim=0)))}
@@ -281,6 +291,10 @@ def test_bad_input_is_one_clear_error_on_every_rank(four_ranks):
         for key in ("overlapping_full", "overlapping_validate"):
             assert bad[key].startswith("ValueError") and "(16, 3), not the global shape (10, 3)" in bad[key], key
         assert "sections [3, 3] do not add up to the size 10" in bad["bad_sections"]
+        assert bad["tensor_parallel"].startswith("NotImplementedError") and "tensor-parallel size 2" in \
+            bad["tensor_parallel"]
+        assert bad["not_rows"].startswith("ValueError") and "6 elements is not whole rows of" in bad["not_rows"]
+        assert "not sharded is whole on every rank" in bad["not_whole"]
 
 
 def test_checkpoints_prepared_here_and_by_stock_load_the_same_values(four_ranks):
