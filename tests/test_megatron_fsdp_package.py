@@ -48,6 +48,32 @@ def test_the_classes_are_constructed_with_stocks_parameters(name):
     assert _parameters(getattr(ours, name).__init__) == _parameters(getattr(stock, name).__init__)
 
 
+def test_the_package_signatures_are_the_engines_keyword_tables():
+    """One table: fully_shard_model's and MegatronFSDP's parameters are the engine's
+    (front/keyword_table), as flatfsdp's own doors' are; defaults as stock's."""
+    from flatfsdp.engine import MEGATRON_FSDP_CLASS, MEGATRON_KEYWORDS
+
+    for fn, table, leading in ((ours.fully_shard_model, MEGATRON_KEYWORDS, 1),
+                               (ours.MegatronFSDP.__init__, MEGATRON_FSDP_CLASS, 2)):
+        params = inspect.signature(fn).parameters
+        assert list(params)[leading:] == [k.name for k in table]
+        assert all(params[k.name].default == k.default for k in table)
+    shared = {k.name: k for k in MEGATRON_KEYWORDS}
+    for k in MEGATRON_FSDP_CLASS:  # a name both take is one keyword, read the same way
+        if k.name in shared:
+            assert (k.reads, k.no_op, k.ddp_field) == (shared[k.name].reads, shared[k.name].no_op,
+                                                       shared[k.name].ddp_field), k.name
+    theirs = inspect.signature(stock.MegatronFSDP.__init__).parameters
+    for name, param in inspect.signature(ours.MegatronFSDP.__init__).parameters.items():
+        if name not in ("self", "module", "dist_index", "mixed_precision_policy"):
+            assert param.default == theirs[name].default, name
+    with pytest.raises(TypeError, match=r"fully_shard_model\(\): got an unexpected keyword argument 'dvice_mesh'"):
+        ours.fully_shard_model(nn.Linear(2, 2), dvice_mesh=None)
+    with pytest.raises(TypeError, match=r"MegatronFSDP\(\): got an unexpected keyword argument 'dist_idx'"):
+        ours.MegatronFSDP(nn.Linear(2, 2), dist_idx=None)
+    assert list(inspect.signature(ours.MegatronFSDP).parameters) == ["module", *[k.name for k in MEGATRON_FSDP_CLASS]]
+
+
 @pytest.mark.parametrize("name", ["DistributedDataParallelConfig", "MixedPrecisionPolicy"])
 def test_the_config_classes_have_stocks_fields_and_defaults(name):
     fields = lambda cls: {f.name: f.default for f in dataclasses.fields(cls)}  # noqa: E731
@@ -357,14 +383,20 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import find_megatron
 import megatron_fsdp as pypi
 from megatron_fsdp.fully_shard import fully_shard_optimizer
 from megatron_fsdp.megatron_fsdp import MegatronFSDP
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import split_dtensor
+from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import make_fsdp_dtensor
 import flatfsdp.megatron_fsdp as ours
+import flatfsdp.megatron_fsdp.param_and_grad_buffer
+import flatfsdp.megatron_fsdp.uneven_dtensor
 try:
-    import megatron.core.distributed.fsdp.src.megatron_fsdp.not_a_module_of_ours
+    import megatron.core.distributed.fsdp.src.megatron_fsdp.no_such_module
     missing = "imported"
 except ImportError:
     missing = "ImportError"
+served = (split_dtensor is ours.uneven_dtensor.split_dtensor
+          and make_fsdp_dtensor is ours.param_and_grad_buffer.make_fsdp_dtensor)
 print(bundled is ours, bundled.MegatronFSDP is ours.MegatronFSDP, find_megatron_fsdp is ours.utils.find_megatron_fsdp,
-      missing, sys.argv[1:])
+      served, missing, sys.argv[1:])
 print(pypi is ours, fully_shard_optimizer is ours.fully_shard.fully_shard_optimizer,
       MegatronFSDP is ours.MegatronFSDP)
 """
@@ -389,11 +421,11 @@ def test_the_redirect_answers_both_names_of_megatron_fsdp_with_this_package(tmp_
     run = subprocess.run([sys.executable, "-m", "flatfsdp.megatron_fsdp.redirect", str(script), "--x", "1"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[-3:-1] == ["True True True ImportError ['--x', '1']", "True True True"]
+    assert run.stdout.split("\n")[-3:-1] == ["True True True True ImportError ['--x', '1']", "True True True"]
     (tmp_path / "sitecustomize.py").write_text("import flatfsdp.megatron_fsdp.redirect as r; r.install()\n")
     site = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert site.returncode == 0, site.stderr
-    assert site.stdout.split("\n")[-3:-1] == ["True True True ImportError []", "True True True"]
+    assert site.stdout.split("\n")[-3:-1] == ["True True True True ImportError []", "True True True"]
     (tmp_path / "sitecustomize.py").unlink()
     late = subprocess.run([sys.executable, "-c", "import megatron.core.distributed.fsdp.src as s, sys; "
                            "sys.modules['megatron.core.distributed.fsdp.src.megatron_fsdp'] = s; "

@@ -23,8 +23,9 @@ from flatfsdp.engine.front.memory import (allocated_buffer_bytes, held_tensors, 
 from flatfsdp.engine.front.optimizer import fully_shard_optimizer
 from flatfsdp.engine.front.megatron_model import hand_module_to_wrapper
 from flatfsdp.engine.front.megatron_buffers import DistributedDataParallelConfig, DistributedIndexGroups
-from flatfsdp.engine.front.keyword_table import MEGATRON as MEGATRON_KEYWORDS
+from flatfsdp.engine.front.keyword_table import MEGATRON as MEGATRON_KEYWORDS, MEGATRON_FSDP_CLASS, Door
 from flatfsdp.engine.layout.mesh import sub_mesh
+from flatfsdp.engine.runtime.class_swap import swap_class
 from flatfsdp.engine.front.finite_check import set_on_nonfinite
 from flatfsdp.engine.runtime.nonfinite_flag import MODE_ENV as NONFINITE_ENV, NonFiniteWarning
 
@@ -41,5 +42,7 @@ __all__ = [
     "copy_to_host",
     # for flatfsdp.megatron_fsdp (the package shaped like megatron_fsdp): its MegatronFSDP wraps the model
     "hand_module_to_wrapper", "DistributedDataParallelConfig", "DistributedIndexGroups",
-    "MEGATRON_KEYWORDS", "sub_mesh",
+    "MEGATRON_KEYWORDS", "MEGATRON_FSDP_CLASS", "Door", "sub_mesh",
+    # the one place an instance's class is swapped (flatfsdp.megatron_fsdp: uneven DTensors, sharded parameters)
+    "swap_class",
 ]

@@ -11,8 +11,12 @@ engine never imports it.
 Modules as in megatron_fsdp: ``megatron_fsdp`` (``MegatronFSDP``),
 ``fully_shard``, ``utils`` (``FSDPDistributedIndex`` of ``distributed_index``, ``find_megatron_fsdp``,
 the tensor-parallel readers), ``mixed_precision``,
-``distributed_data_parallel_config``; and flatfsdp's own ``config_fields``,
-``model_keys``.
+``distributed_data_parallel_config``, ``uneven_dtensor`` and
+``param_and_grad_buffer.make_fsdp_dtensor`` (Megatron-LM's ``fsdp_dtensor``
+checkpoints); and flatfsdp's own ``config_fields``, ``model_keys``,
+``sharded_params`` (the parameters' two Megatron-FSDP
+members) and the uneven-DTensor parts (``chunk_boxes``, ``chunk_exchange``,
+``part_records``, ``uneven_chunks``, ``state_dict_chunks``).
 """
 
 from flatfsdp.megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig

@@ -13,7 +13,7 @@ sharded.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -57,13 +57,6 @@ class FSDPDistributedIndex(DistributedIndexGroups):
         elif hybrid_fsdp_group is not None:
             raise ValueError("FSDPDistributedIndex: hybrid_fsdp_group is given but dp_outer_dim is not: the hybrid "
                              "group is the ranks of dp_outer_dim x dp_shard_dim")
-
-    def get_submesh(self, mesh_dim_names: str | Sequence[str], is_expert_parallel: bool = False) -> DeviceMesh:
-        mesh = self.expt_device_mesh if is_expert_parallel else self.device_mesh
-        names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
-        if mesh is None:
-            raise ValueError(f"FSDPDistributedIndex: no sub-mesh {names} (expert={is_expert_parallel}): no mesh")
-        return sub_mesh(mesh, names if len(names) > 1 else names[0], f"FSDPDistributedIndex.get_submesh{names}")
 
 
 def _mesh_ranks(mesh: DeviceMesh, dims: tuple[str, ...]) -> list[int]:

@@ -28,42 +28,34 @@ from flatfsdp.megatron_fsdp.megatron_fsdp import MegatronFSDP
 from flatfsdp.megatron_fsdp.distributed_index import FSDPDistributedIndex
 
 
-def fully_shard_model(module: nn.Module, device_mesh=None, dp_shard_dim=None, dp_outer_dim=None, tp_dim=None,
-                      hybrid_fsdp_group=None, hybrid_fsdp_expt_group=None, expt_device_mesh=None, fsdp_group_ag=None,
-                      expt_fsdp_group_ag=None, fsdp_unit_modules=None, zero_dp_strategy: str | int = 3,
-                      outer_dp_sharding_strategy: str | int = 0, device=None, init_model_with_meta_device=False,
-                      mixed_precision_policy=None, overlap_grad_reduce=True, overlap_param_gather=True,
-                      sync_model_each_microbatch=True, preproc_state_dict_for_dcp_ckpt=True,
-                      report_nan_in_param_grad=False, average_in_collective=False, disable_bucketing=False,
-                      calculate_per_token_loss=False, keep_fp8_transpose_cache=False, nccl_ub=False,
-                      fsdp_double_buffer=False, fsdp_db_use_persist_buf_on_alloc_fail=False,
-                      disable_symmetric_registration=False, enable_fine_grained_param_gather=False,
-                      use_decoupled_grad=False, cuda_graph_mode=False, maxpool_double_buffer=False) -> MegatronFSDP:
+_MODULE = inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="nn.Module")
+_MODEL_DOOR = engine.Door("fully_shard_model", (_MODULE,), engine.MEGATRON_KEYWORDS, (), aliases=False)
+"""megatron_fsdp's signature, from the engine's keyword table (as flatfsdp.fully_shard_model's)."""
+
+
+@_MODEL_DOOR.takes
+def fully_shard_model(module: nn.Module, *args: Any, **kwargs: Any) -> MegatronFSDP:
     """Shard ``module`` and return the ``MegatronFSDP`` holding it."""
-    inner = _strategy_name(zero_dp_strategy)
-    outer = _strategy_name(outer_dp_sharding_strategy) if dp_outer_dim is not None else "no_shard"
-    config = DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=inner, outer_dp_sharding_strategy=outer,
-        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-        average_in_collective=average_in_collective, keep_fp8_transpose_cache=keep_fp8_transpose_cache, nccl_ub=nccl_ub, fsdp_double_buffer=fsdp_double_buffer,
-        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-        disable_symmetric_registration=disable_symmetric_registration,
-        megatron_fsdp_use_decoupled_grad=use_decoupled_grad, megatron_fsdp_cuda_graph_mode=cuda_graph_mode,
-        megatron_fsdp_enable_fine_grained_param_gather=enable_fine_grained_param_gather,
-        megatron_fsdp_max_pool_double_buffer=maxpool_double_buffer)
+    given = _MODEL_DOOR.record(args, kwargs)
+    inner = _strategy_name(given.zero_dp_strategy)
+    outer = _strategy_name(given.outer_dp_sharding_strategy) if given.dp_outer_dim is not None else "no_shard"
+    as_given = {k.ddp_field: getattr(given, k.name) for k in engine.MEGATRON_KEYWORDS if k.ddp_field is not None}
+    config = DistributedDataParallelConfig(data_parallel_sharding_strategy=inner, outer_dp_sharding_strategy=outer,
+                                           **as_given)
     index = None
-    if device_mesh is not None:
-        index = FSDPDistributedIndex(device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim,
-                                     tp_dim=tp_dim, hybrid_fsdp_group=hybrid_fsdp_group,
-                                     hybrid_fsdp_expt_group=hybrid_fsdp_expt_group, hsdp_outer_dp_shard=outer != "no_shard",
-                                     expt_device_mesh=expt_device_mesh, fsdp_group_ag=fsdp_group_ag,
-                                     expt_fsdp_group_ag=expt_fsdp_group_ag)
-    return MegatronFSDP(module, index, config, mixed_precision_policy, fsdp_unit_modules=fsdp_unit_modules,
-                        disable_bucketing=disable_bucketing, device=device,
-                        calculate_per_token_loss=calculate_per_token_loss,
-                        init_model_with_meta_device=init_model_with_meta_device,
-                        sync_model_each_microbatch=sync_model_each_microbatch,
-                        report_nan_in_param_grad=report_nan_in_param_grad)
+    if given.device_mesh is not None:
+        index = FSDPDistributedIndex(
+            device_mesh=given.device_mesh, dp_shard_dim=given.dp_shard_dim, dp_outer_dim=given.dp_outer_dim,
+            tp_dim=given.tp_dim, hybrid_fsdp_group=given.hybrid_fsdp_group,
+            hybrid_fsdp_expt_group=given.hybrid_fsdp_expt_group, hsdp_outer_dp_shard=outer != "no_shard",
+            expt_device_mesh=given.expt_device_mesh, fsdp_group_ag=given.fsdp_group_ag,
+            expt_fsdp_group_ag=given.expt_fsdp_group_ag)
+    return MegatronFSDP(module, index, config, given.mixed_precision_policy, fsdp_unit_modules=given.fsdp_unit_modules,
+                        disable_bucketing=given.disable_bucketing, device=given.device,
+                        calculate_per_token_loss=given.calculate_per_token_loss,
+                        init_model_with_meta_device=given.init_model_with_meta_device,
+                        sync_model_each_microbatch=given.sync_model_each_microbatch,
+                        report_nan_in_param_grad=given.report_nan_in_param_grad)
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True, *,

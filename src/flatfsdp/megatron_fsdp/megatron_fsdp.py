@@ -10,11 +10,15 @@ members (``finish_grad_sync``, ``zero_grad_buffer``, ``param_and_grad_buffer``,
 docs/megatron.md), reached through the wrapper.
 
 Every field of ``ddp_config`` is read through ``config_fields.FIELDS``; the
-index's groups are checked against its mesh (``distributed_index.py``).
+index's groups are checked against its mesh (``distributed_index.py``). The
+constructor's parameters are the engine's table (``MEGATRON_FSDP_CLASS``), as
+the front doors' are; its sharded parameters answer Megatron-FSDP's
+``megatron_fsdp_slice`` / ``megatron_fsdp_dist_index`` (``sharded_params.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -27,6 +31,7 @@ from flatfsdp.megatron_fsdp.config_fields import keywords_from_config, policy_fr
 from flatfsdp.megatron_fsdp.distributed_data_parallel_config import DistributedDataParallelConfig
 from flatfsdp.megatron_fsdp.model_keys import checked_module_state_dict
 from flatfsdp.megatron_fsdp.distributed_index import FSDPDistributedIndex
+from flatfsdp.megatron_fsdp.sharded_params import give_megatron_members
 
 DELEGATED = frozenset({
     "param_and_grad_buffer", "no_sync", "sync", "set_model_auto_sync", "get_distributed_index",
@@ -56,48 +61,50 @@ overrides (``decoupled_lr``, muP) select by them. Stock carries the same
 list onto its DTensors; without it each of those is silently skipped."""
 
 
+_SELF = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_MODULE = inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="nn.Module")
+_CONSTRUCTOR = engine.Door("MegatronFSDP", (_SELF, _MODULE), engine.MEGATRON_FSDP_CLASS, (), aliases=False)
+"""megatron_fsdp's constructor signature, from the engine's keyword table."""
+
+
 class MegatronFSDP(nn.Module):
-    def __init__(self, module: nn.Module, dist_index: FSDPDistributedIndex | None = None,
-                 ddp_config: Any = None, mixed_precision_policy: Any = None,
-                 fsdp_unit_modules: list | None = None, disable_bucketing: bool = False,
-                 device: torch.device | None = None, calculate_per_token_loss: bool = False,
-                 init_model_with_meta_device: bool = False, sync_model_each_microbatch: bool = False,
-                 keep_fp8_transpose_cache: bool = False, nccl_ub: bool = False, fsdp_double_buffer: bool = False,
-                 fsdp_db_use_persist_buf_on_alloc_fail: bool = False, disable_symmetric_registration: bool = False,
-                 enable_fine_grained_param_gather_hook: bool = False,
-                 enable_fine_grained_param_gather_backward_hook: bool = False,
-                 fine_grained_recurse_module_types: tuple | None = None, report_nan_in_param_grad: bool = False):
+    @_CONSTRUCTOR.takes
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any):
         super().__init__()
+        given = _CONSTRUCTOR.record(args, kwargs)
+        ddp_config, device = given.ddp_config, given.device
         if ddp_config is None:  # megatron_fsdp's default: full sharding, the constructor's switches
-            ddp_config = DistributedDataParallelConfig(
-                data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
-                overlap_param_gather=True, keep_fp8_transpose_cache=keep_fp8_transpose_cache, nccl_ub=nccl_ub,
-                fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
-                fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-                disable_symmetric_registration=disable_symmetric_registration)
+            switches = {k.ddp_field: getattr(given, k.name) for k in engine.MEGATRON_FSDP_CLASS if k.ddp_field}
+            switches["fsdp_double_buffer"] = given.fsdp_double_buffer or given.nccl_ub
+            ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params",
+                                                       overlap_grad_reduce=True, overlap_param_gather=True, **switches)
         keywords = keywords_from_config(ddp_config)
         originals = dict(module.named_parameters())
-        dist_index = dist_index if dist_index is not None else _world_index(device)
+        dist_index = given.dist_index if given.dist_index is not None else _world_index(device)
         _check_outer_strategy(dist_index, keywords)
-        policy = mixed_precision_policy if mixed_precision_policy is not None else policy_from_config(ddp_config)
-        keywords["report_nan_in_param_grad"] = bool(keywords["report_nan_in_param_grad"] or report_nan_in_param_grad)
+        policy = given.mixed_precision_policy
+        policy = policy if policy is not None else policy_from_config(ddp_config)
+        keywords["report_nan_in_param_grad"] = bool(keywords["report_nan_in_param_grad"]
+                                                    or given.report_nan_in_param_grad)
         # The fine-grained hooks gather sub-modules one by one (MXFP8 recompute, MoE overlap); a unit
         # is gathered whole here, with the same values (front/keywords.py's no-op of the same name).
-        if enable_fine_grained_param_gather_backward_hook:
+        if given.enable_fine_grained_param_gather_backward_hook:
             raise NotImplementedError(EP_OVERLAP_REFUSAL)
-        fine_grained = bool(enable_fine_grained_param_gather_hook)
+        fine_grained = bool(given.enable_fine_grained_param_gather_hook)
         keywords["enable_fine_grained_param_gather"] = bool(keywords["enable_fine_grained_param_gather"]
                                                             or fine_grained)
         engine.fully_shard_model(
             module, device_mesh=dist_index.device_mesh, dp_shard_dim=dist_index.dp_shard_dim,
             dp_outer_dim=dist_index.dp_outer_dim, tp_dim=dist_index.tp_dim,
             hybrid_fsdp_group=dist_index.hybrid_fsdp_group, expt_device_mesh=dist_index.expt_device_mesh,
-            fsdp_group_ag=dist_index.fsdp_group_ag, **_expert_groups(dist_index), fsdp_unit_modules=_present_units(module, fsdp_unit_modules),
-            device=device, init_model_with_meta_device=init_model_with_meta_device, mixed_precision_policy=policy,
-            sync_model_each_microbatch=sync_model_each_microbatch, disable_bucketing=disable_bucketing,
-            calculate_per_token_loss=calculate_per_token_loss, **keywords)
+            fsdp_group_ag=dist_index.fsdp_group_ag, **_expert_groups(dist_index),
+            fsdp_unit_modules=_present_units(module, given.fsdp_unit_modules), device=device,
+            init_model_with_meta_device=given.init_model_with_meta_device, mixed_precision_policy=policy,
+            sync_model_each_microbatch=given.sync_model_each_microbatch, disable_bucketing=given.disable_bucketing,
+            calculate_per_token_loss=given.calculate_per_token_loss, **keywords)
         engine.hand_module_to_wrapper(module)
         _carry_megatron_attributes(originals, module.param_and_grad_buffer.optimizer_named_parameters)
+        give_megatron_members(module)  # megatron_fsdp_slice / _dist_index, read by fsdp_dtensor checkpoints
         self.module = module
         self.ddp_config = ddp_config  # the config as given: a record (the engine read it once, above)
         self.dist_index = dist_index
@@ -105,8 +112,8 @@ class MegatronFSDP(nn.Module):
         self.device = module.device
         self.fsdp_unit_modules = module.fsdp_unit_modules
         self.data_parallel_sharding_strategy = ddp_config.data_parallel_sharding_strategy
-        self.calculate_per_token_loss = calculate_per_token_loss
-        self.init_model_with_meta_device = init_model_with_meta_device
+        self.calculate_per_token_loss = given.calculate_per_token_loss
+        self.init_model_with_meta_device = given.init_model_with_meta_device
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -8,7 +8,8 @@ AutoModel, Megatron-Bridge and plain scripts import the PyPI package,
 that answers both names and their submodules with this package
 (``flatfsdp.megatron_fsdp`` and ``.utils``, ``.fully_shard``, ...): the very
 same module objects, so the adapter's ``MegatronFSDP`` *is*
-``flatfsdp.megatron_fsdp.MegatronFSDP`` under either name. A submodule this
+``flatfsdp.megatron_fsdp.MegatronFSDP`` under either name (and ``uneven_dtensor``,
+``param_and_grad_buffer``: Megatron-LM's ``fsdp_dtensor`` checkpoints). A submodule this
 package does not have is not found (the parent's ``__path__`` is
 flatfsdp's), and optional imports of it fall back as without megatron_fsdp.
 

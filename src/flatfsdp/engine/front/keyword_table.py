@@ -139,6 +139,36 @@ del K
 
 EVERY: tuple[Keyword, ...] = MEGATRON + MEGATRON_LM_ALIASES + FSDP2 + OWN
 
+
+def _as_megatron(name: str, **changed: Any) -> Keyword:
+    """The front-door keyword ``name`` (with ``changed`` fields, e.g. another default)."""
+    return dataclasses.replace(next(k for k in MEGATRON if k.name == name), **changed)
+
+
+_FINE_GRAINED = "per-sub-module gathers (MXFP8 recompute, MoE overlap; CUDA): a unit is gathered whole, values the same"
+MEGATRON_FSDP_CLASS: tuple[Keyword, ...] = (
+    Keyword("dist_index", None, "FSDPDistributedIndex | None",
+            "the meshes and groups: its device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, groups and expert mesh "
+            "become the keywords of those names (None: one dimension over every rank)"),
+    Keyword("ddp_config", None, "DistributedDataParallelConfig | None",
+            "every field read by name (flatfsdp.megatron_fsdp.config_fields; None: full sharding and the switches "
+            "below)"),
+    _as_megatron("mixed_precision_policy"), _as_megatron("fsdp_unit_modules"), _as_megatron("disable_bucketing"),
+    _as_megatron("device"), _as_megatron("calculate_per_token_loss"), _as_megatron("init_model_with_meta_device"),
+    _as_megatron("sync_model_each_microbatch", default=False), _as_megatron("keep_fp8_transpose_cache"),
+    _as_megatron("nccl_ub"), _as_megatron("fsdp_double_buffer"), _as_megatron("fsdp_db_use_persist_buf_on_alloc_fail"),
+    _as_megatron("disable_symmetric_registration"),
+    Keyword("enable_fine_grained_param_gather_hook", False, "bool", no_op=_FINE_GRAINED),
+    Keyword("enable_fine_grained_param_gather_backward_hook", False, "bool", no_op=_FINE_GRAINED + " (backward)"),
+    Keyword("fine_grained_recurse_module_types", None, "tuple[type, ...] | None",
+            no_op="the sub-module types the fine-grained gathers recurse into"),
+    _as_megatron("report_nan_in_param_grad"),
+)
+"""megatron_fsdp.MegatronFSDP's constructor parameters after ``module``, in its
+order (flatfsdp.megatron_fsdp's class takes them): a front-door keyword of the
+same name is that keyword (the class's own default where it differs); the
+rest are the class's own."""
+
 GivenKeywords = dataclasses.make_dataclass(
     "GivenKeywords", [(k.name, Any, dataclasses.field(default=k.default)) for k in EVERY], frozen=True)
 GivenKeywords.__module__ = __name__
@@ -157,6 +187,8 @@ class Door:
     leading: tuple[inspect.Parameter, ...]
     positional: tuple[Keyword, ...]
     keyword_only: tuple[Keyword, ...]
+    aliases: bool = True
+    """``**kwargs`` for Megatron-LM's aliases (megatron_fsdp's own signatures have none)."""
 
     @functools.cached_property
     def signature(self) -> inspect.Signature:
@@ -170,7 +202,7 @@ class Door:
         return inspect.Signature(
             [param(k, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in self.positional]
             + [param(k, inspect.Parameter.KEYWORD_ONLY) for k in self.keyword_only]
-            + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any")])
+            + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any")] * self.aliases)
 
     def takes(self, fn: Callable) -> Callable:
         """Decorate the door ``def door(<leading>, *args, **kwargs)``: it shows this signature."""
@@ -191,3 +223,24 @@ class Door:
         if unknown:
             raise TypeError(f"{self.name}() got unexpected keyword argument(s) {unknown}")
         return GivenKeywords(**values, **extra)
+
+    @functools.cached_property
+    def _record_type(self) -> type:
+        record = dataclasses.make_dataclass(f"{self.name}Keywords", [k.name for k in self.positional + self.keyword_only],
+                                            frozen=True)
+        record.__module__ = __name__
+        return record
+
+    def record(self, args: tuple, kwargs: dict[str, Any]):
+        """The call's keywords after ``leading`` as a frozen record of this
+        door's keywords only (defaults filled in; a name that is none of them:
+        AttributeError) -- for a door whose keywords are not all the front
+        doors' (``MEGATRON_FSDP_CLASS``). Binding errors as ``read``'s."""
+        try:
+            bound = self._tail.bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"{self.name}(): {err}") from None
+        bound.apply_defaults()
+        if bound.arguments.pop("kwargs", None):
+            raise TypeError(f"{self.name}() takes no Megatron-LM aliases here")
+        return self._record_type(**bound.arguments)

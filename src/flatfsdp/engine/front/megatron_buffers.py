@@ -21,6 +21,7 @@ from torch import nn
 from flatfsdp.engine.front.keyword_table import MEGATRON, GivenKeywords
 from flatfsdp.engine.groups.group_core import ParamGroupFace
 from flatfsdp.engine.groups.group_tensors import GroupTensors
+from flatfsdp.engine.layout.mesh import sub_mesh
 from flatfsdp.engine.layout.options import ShardOptions
 from flatfsdp.engine.layout.strategy import ShardingStrategy
 
@@ -105,6 +106,16 @@ class DistributedIndexGroups:
 
     def get_root_mesh(self, is_expert_parallel: bool = False):
         return self.expt_device_mesh if is_expert_parallel else self.device_mesh
+
+    def get_submesh(self, mesh_dim_names, is_expert_parallel: bool = False):
+        """The sub-mesh of the named dimension(s) (Megatron-Core's checkpoint code asks for ``[tp_dim]``);
+        a dimension flattened with ``_flatten`` counts (sub_mesh names a missing one)."""
+        mesh = self.expt_device_mesh if is_expert_parallel else self.device_mesh
+        names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+        if mesh is None:
+            raise ValueError(f"{type(self).__name__}: no sub-mesh {names} (expert={is_expert_parallel}): no mesh")
+        return sub_mesh(mesh, names if len(names) > 1 else names[0],
+                        f"{type(self).__name__}.get_submesh{names}")
 
 
 class DistributedIndex(DistributedIndexGroups):

@@ -1,7 +1,10 @@
 """The one place an instance's class is swapped for a subclass of its own,
 as FSDP2 does to a sharded module: a sharded unit's ``FSDP<Class>``
 (fsdp_module), the one-call root's Megatron members (front/megatron_model),
-a bound optimizer's Megatron ``zero_grad`` (front/megatron_optimizer).
+a bound optimizer's Megatron ``zero_grad`` (front/megatron_optimizer); and,
+exported for flatfsdp.megatron_fsdp, a DTensor that says its uneven part to
+torch's checkpoint and a sharded parameter answering Megatron-FSDP's
+``megatron_fsdp_slice`` / ``megatron_fsdp_dist_index``.
 ``isinstance`` checks and the instance's behaviour survive; each
 (mixin, class) pair is made once, so instances of one class share one
 swapped class."""
