@@ -333,6 +333,8 @@ def checkpoint_worker(rank, world, tmp):
     out["marks"] = {n: {a: getattr(p, a) for a in ("is_embedding_or_output_parameter", "tensor_model_parallel",
                                                    "partition_dim", "_tensor_parallel_mode", "sequence_parallel")
                         if hasattr(p, a)} for n, p in model.named_parameters()}
+    out["orig_param"] = [(tuple(p.orig_param.shape), p.orig_param is not p, sorted(vars(p)))
+                         for p in model.parameters()]
     optimizer = ours.fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
     before = _local(model)
     _step(model, optimizer, rank)
@@ -448,6 +450,15 @@ def test_megatron_cores_marks_reach_the_parameters_its_optimizer_steps(checkpoin
         "module.a.weight": {"is_embedding_or_output_parameter": True, "tensor_model_parallel": True,
                             "partition_dim": 0, "_tensor_parallel_mode": "column"},
         "module.a.bias": {}, "module.b.weight": {}, "module.b.bias": {"sequence_parallel": True}}
+
+
+def test_orig_param_is_the_parameter_the_caller_made_and_nothing_is_set_on_the_dtensors(checkpoints):
+    """Megatron-Bridge's weight import reads ``orig_param.shape``; the marks are
+    read through it, not copied (the DTensor holds only the one-call marker)."""
+    assert checkpoints["orig_param"] == [((8, 4), True, ["__fsdp_param__", "_is_param"]),
+                                         ((8,), True, ["__fsdp_param__", "_is_param"]),
+                                         ((2, 8), True, ["__fsdp_param__", "_is_param"]),
+                                         ((2,), True, ["__fsdp_param__", "_is_param"])]
 
 
 def test_a_parameter_replaced_after_sharding_is_named_not_trained_unsharded(checkpoints):

@@ -50,17 +50,6 @@ EP_OVERLAP_REFUSAL = (
 """Why the EP-overlap schedule's members refuse (Megatron-Core's adapter asks for the
 backward fine-grained hook only for that schedule, so construction refuses it there)."""
 
-MEGATRON_PARAM_ATTRIBUTES = ("sequence_parallel", "shared", "tensor_model_parallel", "partition_dim",
-                             "partition_stride", "is_embedding_or_output_parameter", "is_embedding_parameter",
-                             "_tensor_parallel_mode")
-"""What Megatron-Core marks its parameters with and reads back from the ones
-its optimizer steps: the gradient norm skips tensor-parallel duplicates and
-shared copies by them, ``finalize_model_grads`` all-reduces
-sequence-parallel LayerNorm grads by them, the optimizer's param-group
-overrides (``decoupled_lr``, muP) select by them. Stock carries the same
-list onto its DTensors; without it each of those is silently skipped."""
-
-
 _SELF = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _MODULE = inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="nn.Module")
 _CONSTRUCTOR = engine.Door("MegatronFSDP", (_SELF, _MODULE), engine.MEGATRON_FSDP_CLASS, (), aliases=False)
@@ -79,7 +68,6 @@ class MegatronFSDP(nn.Module):
             ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params",
                                                        overlap_grad_reduce=True, overlap_param_gather=True, **switches)
         keywords = keywords_from_config(ddp_config)
-        originals = dict(module.named_parameters())
         dist_index = given.dist_index if given.dist_index is not None else _world_index(device)
         _check_outer_strategy(dist_index, keywords)
         policy = given.mixed_precision_policy
@@ -103,8 +91,7 @@ class MegatronFSDP(nn.Module):
             sync_model_each_microbatch=given.sync_model_each_microbatch, disable_bucketing=given.disable_bucketing,
             calculate_per_token_loss=given.calculate_per_token_loss, **keywords)
         engine.hand_module_to_wrapper(module)
-        _carry_megatron_attributes(originals, module.param_and_grad_buffer.optimizer_named_parameters)
-        give_megatron_members(module)  # megatron_fsdp_slice / _dist_index, read by fsdp_dtensor checkpoints
+        give_megatron_members(module)  # megatron_fsdp_slice / _dist_index, orig_param, Megatron-Core's marks
         self.module = module
         self.ddp_config = ddp_config  # the config as given: a record (the engine read it once, above)
         self.dist_index = dist_index
@@ -181,20 +168,6 @@ class MegatronFSDP(nn.Module):
         before anything is copied (model_keys.py)."""
         return super().load_state_dict(checked_module_state_dict(self, state_dict, strict), strict=strict,
                                        assign=assign)
-
-
-def _carry_megatron_attributes(originals: dict[str, nn.Parameter], sharded: list[tuple[str, nn.Parameter]]) -> None:
-    """Megatron-Core's marks, from each parameter the caller made onto the
-    DTensor flatfsdp made to stand in for it (flatfsdp's own object, as its
-    ``__fsdp_param__`` marker is): the caller's data, kept where the caller
-    will look for it."""
-    for name, param in sharded:
-        original = originals.get(name)
-        if original is None or original is param:
-            continue
-        for attribute in MEGATRON_PARAM_ATTRIBUTES:
-            if attribute in original.__dict__:
-                setattr(param, attribute, original.__dict__[attribute])
 
 
 def _expert_groups(dist_index: Any) -> dict:

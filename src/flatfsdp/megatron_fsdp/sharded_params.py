@@ -1,4 +1,4 @@
-"""Megatron-FSDP's two members of a sharded parameter, on the parameters of a
+"""Megatron-FSDP's members of a sharded parameter, on the parameters of a
 ``MegatronFSDP``.
 
 Megatron-Core's ``fsdp_dtensor`` checkpoint code splits fused weights (SwiGLU's
@@ -11,14 +11,22 @@ Megatron-Core's ``fsdp_dtensor`` checkpoint code splits fused weights (SwiGLU's
   ``param_and_grad_buffer.make_fsdp_dtensor`` and asks ``get_submesh([tp_dim])``
   and ``tp_dim``.
 
-Stock sets both as attributes on each parameter. flatfsdp sets nothing on
-torch's objects (docs/megatron.md): the parameter's class becomes its own
+Megatron-Core and Megatron-Bridge also read, on the parameter its optimizer
+steps, what they marked the parameter they made with (MEGATRON_MARKS: the
+gradient norm's tensor-parallel and shared-copy filters,
+``finalize_model_grads``' sequence-parallel all-reduce, ``decoupled_lr`` and
+muP param groups) and ``orig_param``, that parameter itself (Bridge's weight
+import reads its shape).
+
+Stock sets all of them as attributes on each parameter. flatfsdp sets nothing
+on torch's objects (docs/megatron.md): the parameter's class becomes its own
 class with ``MegatronParamMembers`` in front (the engine's ``swap_class``, the
-one place classes are swapped), whose two properties read the parameter
-itself -- the slice from its placements, as torch places its part (so it
-cannot go stale), the index through the ``__fsdp_param__`` marker the
-one-call form already gives it. A copy or pickle of the parameter is a plain
-DTensor parameter, as before.
+one place classes are swapped), whose members read the parameter itself --
+the slice from its placements, as torch places its part (so it cannot go
+stale), the index and the original parameter through the ``__fsdp_param__``
+marker the one-call form already gives it, the marks from that original
+(what the caller set, where the caller set it). A copy or pickle of the
+parameter is a plain DTensor parameter, as before.
 """
 
 from __future__ import annotations
@@ -34,8 +42,30 @@ from flatfsdp.megatron_fsdp.chunk_boxes import Box, flat_range
 from flatfsdp.megatron_fsdp.uneven_chunks import plain_copy
 
 
+MEGATRON_MARKS = frozenset({"sequence_parallel", "shared", "tensor_model_parallel", "partition_dim",
+                            "partition_stride", "is_embedding_or_output_parameter", "is_embedding_parameter",
+                            "_tensor_parallel_mode"})
+"""The marks stock carries from the parameter the caller made onto its DTensor (its ``reset_attribute`` list)."""
+
+
 class MegatronParamMembers:
     """Put in front of a sharded parameter's class by ``give_megatron_members``."""
+
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for what the parameter itself lacks: a mark, read from the original."""
+        if name in MEGATRON_MARKS:
+            original = getattr(vars(self).get("__fsdp_param__"), "original", None)
+            if original is not None and name in vars(original):
+                return vars(original)[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def orig_param(self) -> nn.Parameter:
+        """The parameter the caller made, which this DTensor stands in for."""
+        original = getattr(vars(self).get("__fsdp_param__"), "original", None)
+        if original is None:
+            raise RuntimeError("orig_param: the parameter this one was sharded from is gone")
+        return original
 
     @property
     def megatron_fsdp_slice(self) -> slice:
@@ -65,7 +95,7 @@ class MegatronParamMembers:
 
 def give_megatron_members(module: nn.Module) -> None:
     """Every sharded parameter of ``module`` (a DTensor carrying the one-call
-    form's ``__fsdp_param__`` marker) answers Megatron-FSDP's two members."""
+    form's ``__fsdp_param__`` marker) answers Megatron-FSDP's members."""
     for param in module.parameters():
         if isinstance(param, DTensor) and vars(param).get("__fsdp_param__"):
             swap_class(param, MegatronParamMembers)

@@ -78,10 +78,13 @@ class FsdpParamMarker:
     ``.grad`` is a DTensor shard: this is that marker (truthy), set on the
     DTensors flatfsdp made for the optimizer -- never on the user's
     parameters -- and it names the model, so ``fully_shard_optimizer(opt)``
-    finds the model without a registry. It pickles and copies as ``True``."""
+    finds the model without a registry, and the parameter the user made that
+    this DTensor stands in for (what Megatron-FSDP calls ``orig_param``). It
+    pickles and copies as ``True``."""
 
-    def __init__(self, view: "MegatronView"):
+    def __init__(self, view: "MegatronView", original: nn.Parameter | None = None):
         self._view = weakref.ref(view)
+        self._original = weakref.ref(original) if original is not None else None
 
     def __bool__(self) -> bool:
         return True
@@ -93,6 +96,10 @@ class FsdpParamMarker:
     def view(self) -> "MegatronView | None":
         return self._view()
 
+    @property
+    def original(self) -> nn.Parameter | None:
+        return self._original() if self._original is not None else None
+
 
 def adopt_megatron_members(model: nn.Module, given: GivenKeywords, options: ShardOptions, classes: tuple) -> None:
     """Give the root of a one-call sharding Megatron-FSDP's members."""
@@ -101,8 +108,8 @@ def adopt_megatron_members(model: nn.Module, given: GivenKeywords, options: Shar
     swap_class(model, MegatronMembers)
     for state in view.states():
         for group in state.groups:
-            for param in group.sharded_params:
-                param.__fsdp_param__ = FsdpParamMarker(view)
+            for original, param in zip(group.originals(), group.sharded_params):
+                param.__fsdp_param__ = FsdpParamMarker(view, original)
 
 
 def hand_module_to_wrapper(model: nn.Module) -> None:
