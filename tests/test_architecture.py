@@ -47,6 +47,7 @@ LAYERS = {
     "front.memory": 10, "front.finite_check": 10, "front.spmd_mesh": 10, "front.subclass_check": 10,
     "front.optimizer_state": 10, "front.keyword_table": 10, "front.keywords": 10, "front.megatron_buffers": 10,
     "front.megatron_model": 10, "front.megatron_optimizer": 10, "front.optimizer_load_check": 10,
+    "front.hand_driven": 10,
     "front.api": 11,
     "__init__": 12,
 }

@@ -168,15 +168,6 @@ def config_worker(rank, world):
     out["hybrid"] = _error(lambda: ours.FSDPDistributedIndex(mesh, "shard", "outer", hybrid_fsdp_group=alone))
     out["ag"] = _error(lambda: ours.FSDPDistributedIndex(mesh, "shard", "outer", fsdp_group_ag=dist.group.WORLD))
     out["dim"] = _error(lambda: ours.FSDPDistributedIndex(mesh, "dp_cp"))
-    # Megatron-Core's EP-overlap schedule: refused at construction (its adapter's backward hook) and by its members
-    net = Net()
-    out["ep_overlap"] = (_error(lambda: ours.MegatronFSDP(net, index, enable_fine_grained_param_gather_backward_hook=True)),
-                         _untouched(net))
-    plain = ours.MegatronFSDP(Net(), index)
-    out["ep_members"] = [_error(getattr(plain, m)) for m in ("_replace_param_with_raw_if_needed", "pre_backward",
-                                                              "post_backward")] + \
-        [_error(lambda: getattr(plain, m)(plain.module.a)) for m in ("post_forward_release_module",
-                                                                     "post_backward_release_module")]
     # NeMo AutoModel with context parallelism: the shard dimension is a flattened one
     with_cp = _mesh((1, 2), ("dp", "cp"))
     with_cp["dp", "cp"]._flatten("dp_cp")
@@ -221,14 +212,6 @@ def test_an_index_whose_groups_disagree_with_its_mesh_is_refused_by_name(config_
     error, untouched = config_errors["outer"]
     assert "hsdp_outer_dp_shard=True" in error and "outer_dp_sharding_strategy" in error, error
     assert untouched
-
-
-def test_the_ep_overlap_schedule_is_refused_by_name_with_nothing_sharded(config_errors):
-    error, untouched = config_errors["ep_overlap"]
-    assert error.startswith("NotImplementedError") and "overlap_moe_expert_parallel_comm" in error, error
-    assert untouched
-    assert all(e.startswith("NotImplementedError") and "overlap_moe_expert_parallel_comm" in e
-               for e in config_errors["ep_members"]), config_errors["ep_members"]
 
 
 def test_a_flattened_dimension_is_a_shard_dimension_as_in_stock(config_errors):

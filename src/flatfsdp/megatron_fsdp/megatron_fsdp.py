@@ -38,17 +38,9 @@ DELEGATED = frozenset({
     "mixed_precision_context", "reset_mixed_precision_policy", "start_param_sync", "start_grad_sync",
     "synchronize_param_gather", "synchronize_gradient_reduce", "attach_grad_to_optimizer_state",
     "finish_grad_sync", "scale_gradients", "zero_grad_buffer", "install_optimized_model_weights",
-    "broadcast_params", "all_gather_and_wait_parameters_ready"})
+    "broadcast_params", "all_gather_and_wait_parameters_ready", "pre_backward", "post_backward",
+    "post_forward_release_module", "post_backward_release_module"})
 """Members the sharded model answers (flatfsdp's one-call members) and the wrapper passes on."""
-
-EP_OVERLAP_REFUSAL = (
-    "Megatron-Core's expert-parallel all-to-all overlap schedule (overlap_moe_expert_parallel_comm=True, "
-    "pipeline_parallel/combined_1f1b.py) runs each layer's sub-modules outside the layer's forward and backward, "
-    "interleaving one micro-batch's forward with another's backward, and hands Megatron-FSDP the gathers and "
-    "releases; flatfsdp gathers, releases and reduces a unit around its own forward and backward and does not "
-    "take them over piecewise: train without overlap_moe_expert_parallel_comm")
-"""Why the EP-overlap schedule's members refuse (Megatron-Core's adapter asks for the
-backward fine-grained hook only for that schedule, so construction refuses it there)."""
 
 _SELF = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _MODULE = inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="nn.Module")
@@ -76,9 +68,8 @@ class MegatronFSDP(nn.Module):
                                                     or given.report_nan_in_param_grad)
         # The fine-grained hooks gather sub-modules one by one (MXFP8 recompute, MoE overlap); a unit
         # is gathered whole here, with the same values (front/keywords.py's no-op of the same name).
-        if given.enable_fine_grained_param_gather_backward_hook:
-            raise NotImplementedError(EP_OVERLAP_REFUSAL)
-        fine_grained = bool(given.enable_fine_grained_param_gather_hook)
+        fine_grained = bool(given.enable_fine_grained_param_gather_hook
+                            or given.enable_fine_grained_param_gather_backward_hook)
         keywords["enable_fine_grained_param_gather"] = bool(keywords["enable_fine_grained_param_gather"]
                                                             or fine_grained)
         engine.fully_shard_model(
@@ -145,21 +136,10 @@ class MegatronFSDP(nn.Module):
                              "values into them (load_state_dict) instead of assigning new Parameters")
 
     def _replace_param_with_raw_if_needed(self) -> None:
-        """Megatron-Core's EP-overlap schedule calls it before driving layers
-        by hand (with the four members below); refused by name (EP_OVERLAP_REFUSAL)."""
-        raise NotImplementedError(EP_OVERLAP_REFUSAL)
-
-    def pre_backward(self) -> None:
-        raise NotImplementedError(EP_OVERLAP_REFUSAL)
-
-    def post_backward(self) -> None:
-        raise NotImplementedError(EP_OVERLAP_REFUSAL)
-
-    def post_forward_release_module(self, module: nn.Module) -> None:
-        raise NotImplementedError(EP_OVERLAP_REFUSAL)
-
-    def post_backward_release_module(self, module: nn.Module) -> None:
-        raise NotImplementedError(EP_OVERLAP_REFUSAL)
+        """Megatron-Core's EP-overlap schedule drives the layers by hand from here
+        (with pre/post_backward and the two release members, passed on like the
+        others): the engine's ``hand_driven.py`` says what each does here."""
+        self._modules["module"]._replace_param_with_raw_if_needed()
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         """Keys as this wrapper writes them (``module.``-prefixed, as stock's) or

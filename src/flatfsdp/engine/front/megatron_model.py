@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
+from flatfsdp.engine.front import hand_driven
 from flatfsdp.engine.front.keyword_table import GivenKeywords
 from flatfsdp.engine.front.megatron_buffers import DistributedDataParallelConfig, DistributedIndex, ParamAndGradBufferView
 from flatfsdp.engine.front.shard_unit import is_expert
@@ -34,7 +35,10 @@ MEMBERS = frozenset({
     "microbatch_count", "mixed_precision_context", "reset_mixed_precision_policy", "zero_grad_buffer",
     "start_param_sync", "start_grad_sync", "finish_grad_sync", "synchronize_param_gather",
     "synchronize_gradient_reduce", "attach_grad_to_optimizer_state", "scale_gradients", "broadcast_params",
-    "install_optimized_model_weights", "all_gather_and_wait_parameters_ready"})
+    "install_optimized_model_weights", "all_gather_and_wait_parameters_ready",
+    # Megatron-Core's expert-parallel overlap schedule drives the layers by hand (hand_driven.py)
+    "_replace_param_with_raw_if_needed", "pre_backward", "post_backward", "post_forward_release_module",
+    "post_backward_release_module"})
 """Megatron-FSDP's ``MegatronFSDP`` members flatfsdp answers (no_sync is FSDPModule's own;
 finish_grad_sync, FSDPModule's too, is overridden by MegatronMembers' own, a superset)."""
 _WRITABLE = frozenset({"model_auto_sync", "microbatch_count"})
@@ -151,6 +155,7 @@ class MegatronView:
         self._backwards_at_sync = 0
         self._experts = options.expert_mesh is not None
         self._held_by_wrapper = False  # hand_module_to_wrapper: a MegatronFSDP wrapper answers .module
+        self._driven_by_hand = False  # a step of Megatron-Core's EP-overlap schedule is under way (hand_driven.py)
 
     @property
     def sharded_model(self) -> nn.Module:
@@ -263,6 +268,34 @@ class MegatronView:
         self.start_grad_sync()
         self.synchronize_gradient_reduce()
         self._backwards_at_sync = self._backwards()
+        if self._driven_by_hand:  # the step's gradients are in: its weights go, the next use gathers the stepped ones
+            hand_driven.finish(self._model())
+            self._driven_by_hand = False
+
+    # ---- a step whose layers Megatron-Core's EP-overlap schedule drives by hand (hand_driven.py) ----
+
+    def _replace_param_with_raw_if_needed(self) -> None:
+        """The schedule calls the layers' sub-modules itself from here on:
+        every unit is gathered (freshly) and stays so until ``finish_grad_sync``."""
+        model = self._model()
+        hand_driven.finish(model)
+        hand_driven.begin(model)
+        self._driven_by_hand = True
+
+    def pre_backward(self) -> None:
+        """A backward the schedule runs by hand begins: the weights are already there."""
+
+    def post_backward(self) -> None:
+        """That backward has ended: its gradients are taken and reduced (under the
+        gradient-sync setting), as the end of a backward takes them."""
+        hand_driven.end_backward(self._model())
+
+    def post_forward_release_module(self, module: nn.Module) -> None:
+        """A layer's forward is done: its weights stay -- its backward comes later,
+        with no hook of its own to gather them again (released at finish_grad_sync)."""
+
+    def post_backward_release_module(self, module: nn.Module) -> None:
+        """A layer's backward is done: its weights stay until finish_grad_sync (as above)."""
 
     def zero_grad_buffer(self, keep_grads: bool = False, params=None) -> None:
         """Forget this step's gradients: accumulated, in flight, reduced; ``.grad``

@@ -41,7 +41,7 @@ class ScheduledUnit(Protocol):
     initialized: bool
 
     def needs_post_backward(self) -> bool: ...
-    def post_backward(self, *, defer_reduction: bool = False) -> None: ...
+    def post_backward(self, *, defer_reduction: bool = False, release: bool = True) -> None: ...
     def reduce_accumulated(self) -> None: ...
     def finish_forward(self, context: "RootContext") -> None: ...
     def forget_forward(self) -> None: ...
@@ -116,21 +116,26 @@ class RootContext:
             self.manual_finalization_active = self.root.controls.manual_backward_finalization
         # Runs once autograd has finished the whole backward, whichever units'
         # hooks did or did not fire.
-        Variable._execution_engine.queue_callback(self._finish_backward)
+        Variable._execution_engine.queue_callback(self.finish_backward)
 
-    def _finish_backward(self) -> None:
+    def finish_backward(self, release: bool = True) -> None:
+        """What ends a backward (autograd's callback runs it): units whose
+        gradients wait in their parameters take them, reductions start (or
+        wait for finalize_backward), units release their weights as
+        ``reshard_after_backward`` says -- unless ``release`` is False: a
+        caller driving the layers by hand keeps them (front/hand_driven.py)."""
         manual = bool(self.manual_finalization_active)
         with record_function("flatfsdp::finish_backward"):
             for state in reversed(self.states):
                 if state.needs_post_backward():
                     # Manual finalization (FSDP2's): reductions of units whose
                     # hook did not fire wait for finalize_backward.
-                    state.post_backward(defer_reduction=manual)
+                    state.post_backward(defer_reduction=manual, release=release)
             if not manual and self.root.controls.is_last_backward and (
                     self.sync_each_microbatch or not self._bound_optimizers_wait()):
                 self.wait_reductions()
             for state in self.states:
-                if state.controls.reshard_after_backward:
+                if release and state.controls.reshard_after_backward:
                     state.reshard()
                 state.training_state = TrainingState.IDLE
             self.in_backward = False

@@ -323,9 +323,10 @@ class UnitState:
     def needs_post_backward(self) -> bool:
         return self._swapped_in or any(p.grad is not None for g in self.groups for p in g.grad_leaves())
 
-    def post_backward(self, *, defer_reduction: bool = False) -> None:
+    def post_backward(self, *, defer_reduction: bool = False, release: bool = True) -> None:
         """Autograd's gradients into the accumulation buffer; reduced now if
-        gradient sync is on (and the reduction not deferred to ``finalize_backward``)."""
+        gradient sync is on (and the reduction not deferred to ``finalize_backward``);
+        the weights released if ``reshard_after_backward`` (and ``release``) says so."""
         with record_function(self.label("post_backward")):
             head_first = self.controls.lookup_rows_only and self.context.first_in_backward()
             self.training_state = TrainingState.POST_BACKWARD
@@ -338,7 +339,7 @@ class UnitState:
                 self._prefetch(needing_weights_in_backward(self.context.last_in_forward(HEAD_START_UNITS)))
             if not defer_reduction:
                 self.reduce_accumulated()
-            if self.controls.reshard_after_backward:
+            if release and self.controls.reshard_after_backward:
                 self.reshard()
 
     def reduce_accumulated(self) -> None:
