@@ -312,6 +312,8 @@ def checkpoint_worker(rank, world, tmp):
     net.b.bias.sequence_parallel = True
     model = ours.fully_shard_model(net, device_mesh=_mesh((2, 1), ("dp", "tp")), dp_shard_dim="dp",
                                    tp_dim="tp", fsdp_unit_modules=[nn.Linear])
+    model.to(torch.device("cpu"), non_blocking=True)  # NeMo AutoModel moves the sharded model (torch swaps tensors)
+    out["after_to"] = [(bool(vars(p).get("__fsdp_param__")), p.megatron_fsdp_slice) for p in model.parameters()]
     model._replace_param_with_distributed_if_needed()
     out["marks"] = {n: {a: getattr(p, a) for a in ("is_embedding_or_output_parameter", "tensor_model_parallel",
                                                    "partition_dim", "_tensor_parallel_mode", "sequence_parallel")
@@ -426,6 +428,13 @@ def test_the_redirect_answers_both_names_of_megatron_fsdp_with_this_package(tmp_
 
 def test_stocks_two_call_form_finds_the_model_and_trains(checkpoints):
     assert checkpoints["two_calls"] == ([0, 1, 2, 3], True)
+
+
+def test_moving_the_model_keeps_what_its_parameters_answer(checkpoints):
+    """``model.to(device)`` swaps new tensors into the parameter objects
+    (torch's swap_tensors, class and attributes included): the marker and
+    Megatron-FSDP's members survive, and the optimizer still finds the model."""
+    assert checkpoints["after_to"] == [(True, slice(0, 16)), (True, slice(0, 4)), (True, slice(0, 8)), (True, slice(0, 1))]
 
 
 def test_megatron_cores_marks_reach_the_parameters_its_optimizer_steps(checkpoints):

@@ -29,8 +29,31 @@ def _swapped(mixin: type, cls: type, prefix: str) -> type:
     attrs = {"__module__": cls.__module__}
     if not prefix:
         attrs["__qualname__"] = cls.__qualname__
+    attrs["_flatfsdp_swapped_from"] = cls
     made = type(prefix + cls.__name__, (mixin, cls), attrs)
     if issubclass(cls, TorchFSDPModule):
         # torch's FSDPModule.__new__ finds the user's class at this index of the MRO.
         made._orig_cls_mro_index = made.__mro__.index(cls.__mro__[cls._orig_cls_mro_index])
     return made
+
+
+def unswapped_class(cls: type) -> type:
+    """The class ``swap_class`` started from (``cls`` itself if it never swapped)."""
+    while "_flatfsdp_swapped_from" in vars(cls):
+        cls = vars(cls)["_flatfsdp_swapped_from"]
+    return cls
+
+
+def unswap(instance: object) -> type:
+    """Give ``instance`` back the class ``swap_class`` started from, for a
+    while; returns the class it had, for ``reswap``."""
+    had = type(instance)
+    instance.__class__ = unswapped_class(had)
+    return had
+
+
+def reswap(instance: object, cls: type) -> None:
+    """``instance`` takes ``cls`` again -- if it still has the class ``cls`` was
+    swapped from (something else may have given it another since)."""
+    if type(instance) is unswapped_class(cls):
+        instance.__class__ = cls

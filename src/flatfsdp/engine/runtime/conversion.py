@@ -6,14 +6,36 @@ a param group when its dtype or device changed, so the module stays sharded
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flatfsdp.engine.groups.param_group import ParamGroup
+from flatfsdp.engine.runtime.class_swap import reswap, unswap
 from flatfsdp.engine.layout.views import same_start
+
+
+@contextlib.contextmanager
+def python_side_kept(params: list[nn.Parameter]) -> Iterator[None]:
+    """torch converts a DTensor parameter by swapping a new Parameter's
+    tensor, class and attributes into the same object (``swap_tensors``): the
+    object stays, but what was set on it -- the one-call form's
+    ``__fsdp_param__`` marker, a swapped class's members -- would not. During
+    the conversion each parameter has the class ``swap_class`` started from
+    (torch's ``Parameter()`` refuses a class whose ``detach()`` answers
+    another); after it, its class and attributes come back."""
+    kept = [(p, dict(vars(p)), unswap(p)) for p in params]
+    try:
+        yield
+    finally:
+        for param, attributes, cls in kept:
+            reswap(param, cls)
+            for name, value in attributes.items():
+                vars(param).setdefault(name, value)
 
 
 def adopt_converted(state, module: nn.Module) -> None:

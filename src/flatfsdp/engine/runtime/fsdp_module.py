@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from flatfsdp.engine.runtime.class_swap import swap_class
-from flatfsdp.engine.runtime.conversion import adopt_converted
+from flatfsdp.engine.runtime.conversion import adopt_converted, python_side_kept
 from flatfsdp.engine.runtime.torch_fsdp2_view import Fsdp2StateView, file_torch_state
 from flatfsdp.engine.comm.user_comms import check_comm
 from flatfsdp.engine.runtime.unit_state import UnitState
@@ -76,7 +76,8 @@ class FSDPModule(TorchFSDPModule):
         sharded parameters and keep them sharded (see conversion.py)."""
         state = self._flatfsdp_state
         state.reshard()
-        ret = super(TorchFSDPModule, self)._apply(fn, recurse)  # past torch's FSDP2 version
+        with python_side_kept([p for g in state.groups for p in g.sharded_params]):
+            ret = super(TorchFSDPModule, self)._apply(fn, recurse)  # past torch's FSDP2 version
         adopt_converted(state, self)
         return ret
 
