@@ -31,7 +31,7 @@ LAYERS = {
     "layout.placement": 1, "layout.main_home": 2, "layout.options": 2,
     "comm.comm_account": 0, "comm.schedule_log": 0, "comm.torch_collectives": 0, "comm.watchdog": 1,
     "comm.exchange": 2, "comm.collectives": 2, "comm.fingerprint": 2, "comm.schedule_check": 2,
-    "comm.wire": 3, "comm.gather": 3, "comm.outer_shard": 3,
+    "comm.wire": 3, "comm.gather": 3, "comm.cast_gather": 3, "comm.outer_shard": 3,
     "comm.coalesce": 4, "comm.lookup_rows": 4, "comm.paced_gather": 4, "comm.block_gather": 4, "comm.block_reduce": 4, "comm.user_comms": 4,
     "comm.reduction_queue": 5,
     "groups.slots": 4, "groups.subclass_gather": 4, "groups.wire_choice": 5, "groups.group_tensors": 4,
