@@ -36,7 +36,7 @@ class Wire:
     def tier(self, record) -> str:
         return record.dim
 
-    def wire_seconds(self, record, nbytes: int) -> float:
+    def wire_seconds(self, record, nbytes: int, busy: bool = True) -> float:
         return nbytes * 1e-6
 
     def host_seconds(self, record, nbytes: int) -> float:
@@ -193,3 +193,17 @@ def test_rows_are_timed_and_the_pick_is_the_fastest_that_fits(traced):
     picks = recommend(rows, predictions, None)
     assert picks == {2: 0, 4: 1}
     assert recommend(rows, predictions, 1) == {}
+
+
+class TwoRates(Wire):
+    """A link twice as slow while the host computes as while it waits (gloo's threads share the cores)."""
+
+    def wire_seconds(self, record, nbytes: int, busy: bool = True) -> float:
+        return nbytes * (2e-6 if busy else 1e-6)
+
+
+def test_a_link_moves_at_the_rate_of_what_the_host_does():
+    # 1 s of compute moves half of a 1 s (waiting) transfer; the other half takes 0.5 s of waiting.
+    p = replay(StepTrace([issued(0, 1_000_000), op(1_000_000), log.Waited((0,))]), Clock(), TwoRates())
+    assert p.step_s == pytest.approx(1.5)
+    assert p.exposed == {"world": pytest.approx(0.5)}

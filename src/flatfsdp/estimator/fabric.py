@@ -72,7 +72,7 @@ class Cluster:
     def tier(self, record: schedule_log.Issued) -> str:
         return "inter" if self.mesh.spans_nodes(record) else "intra"
 
-    def wire_seconds(self, record: schedule_log.Issued, nbytes: int) -> float:
+    def wire_seconds(self, record: schedule_log.Issued, nbytes: int, busy: bool = True) -> float:
         g = record.group_size
         if g <= 1:
             return 0.0
@@ -94,9 +94,10 @@ class Cluster:
 class Host:
     """CPU ranks on one host (see the module docstring)."""
     loopback: Link
+    """Loopback while the ranks wait: nothing competes with gloo's threads."""
     cpu_s_per_byte: dict[str, float]
-    """Host CPU per byte a rank sends, by collective kind (sending and
-    receiving both paid), measured by the probe."""
+    """Compute time a rank loses per byte it sends, by collective kind (sending
+    and receiving both paid), measured by the probe while the ranks compute."""
     mesh: Mesh
     shared_rate: float | None = None
     """Bytes/s of one token bucket all ranks' traffic shares (``--link``, one node)."""
@@ -104,17 +105,21 @@ class Host:
     """Bytes/s of each node's egress (``--link`` with ``--nnodes 2``)."""
     slowdown: float = 1.0
     """Ranks sharing the cores beyond one a core: CPU work takes this much longer."""
+    loopback_busy: Link | None = None
+    """Loopback while the ranks compute (gloo's threads then share the cores);
+    None: as while they wait."""
 
     def tier(self, record: schedule_log.Issued) -> str:
         if self.node_rate is not None and self.mesh.spans_nodes(record):
             return "inter"
         return "link" if self.shared_rate is not None else "loopback"
 
-    def wire_seconds(self, record: schedule_log.Issued, nbytes: int) -> float:
+    def wire_seconds(self, record: schedule_log.Issued, nbytes: int, busy: bool = True) -> float:
         sent = ring_bytes(record, nbytes)
         if sent == 0:
             return 0.0
-        took = self.loopback.latency_s + sent / (self.loopback.gbytes_s * 1e9)
+        loop = self.loopback_busy if busy and self.loopback_busy is not None else self.loopback
+        took = (loop.latency_s + sent / (loop.gbytes_s * 1e9)) * self.slowdown
         if self.shared_rate is not None:
             took = max(took, self.loopback.latency_s + record.group_size * sent / self.shared_rate)
         if self.node_rate is not None and self.mesh.spans_nodes(record):
@@ -130,8 +135,12 @@ class Host:
         return per_byte * ring_bytes(record, nbytes) * self.slowdown
 
     def describe(self) -> str:
-        text = (f"links: loopback {self.loopback.gbytes_s:.2f} GB/s per rank, {self.loopback.latency_s * 1e3:.2f} ms "
-                "a collective; host CPU " + ", ".join(f"{k} {v * 1e9:.2f} s/GB" for k, v in self.cpu_s_per_byte.items()))
+        busy = self.loopback_busy or self.loopback
+        text = (f"links: loopback {self.loopback.gbytes_s:.2f} GB/s per rank waiting, {busy.gbytes_s:.2f} computing, "
+                f"{self.loopback.latency_s * 1e3:.2f} ms a collective; compute lost moving bytes "
+                + ", ".join(f"{k} {v * 1e9:.2f} s/GB" for k, v in self.cpu_s_per_byte.items()))
+        if self.slowdown != 1:
+            text += f"; x{self.slowdown:.2f} for ranks sharing the cores"
         if self.shared_rate is not None:
             text += f"; behind one link of {self.shared_rate / 1e6:.0f} MB/s shared by every rank"
         if self.node_rate is not None:

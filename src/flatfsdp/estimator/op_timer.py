@@ -59,9 +59,9 @@ def dispatch_seconds(device: torch.device, repeats: int = 5000) -> float:
     return (time.perf_counter() - start) / (2 * repeats)
 
 
-def rates_from(timed: list, plain_step_s: float, per_op_s: float) -> OpRates:
-    """``OpRates`` from one timed step, the same step's time unobserved and
-    what an op's dispatch costs."""
+def rates_from(timed: list, plain_step_s: float, per_op_s: float, steps: int = 1) -> OpRates:
+    """``OpRates`` from ``steps`` timed steps, the same step's time unobserved
+    and what an op's dispatch costs."""
     by_key: dict[tuple, list[float]] = defaultdict(list)
     work: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     flops, flop_time, nbytes, byte_time = 0, 0.0, 0, 0.0
@@ -78,5 +78,5 @@ def rates_from(timed: list, plain_step_s: float, per_op_s: float) -> OpRates:
     own = sum(took for _, took in timed)
     return OpRates(by_key={k: sum(v) / len(v) for k, v in by_key.items()},
                    per_unit={name: t / w for name, (t, w) in work.items() if w}, per_op_s=per_op_s,
-                   step_overhead_s=max(0.0, plain_step_s - own - per_op_s * len(timed)),
+                   step_overhead_s=max(0.0, plain_step_s - (own + per_op_s * len(timed)) / steps),
                    flop_s=flop_time / flops if flops else 0.0, byte_s=byte_time / nbytes if nbytes else 0.0)

@@ -10,7 +10,7 @@ from typing import Callable
 
 from flatfsdp.estimator.compute_cost import Measured
 from flatfsdp.estimator.fabric import PRESETS, Cluster, Host, Link, Mesh, gbit
-from flatfsdp.estimator.probe import MachineProbe
+from flatfsdp.estimator.probe import MachineProbe, loopback
 from flatfsdp.estimator.rank_step import Layout, RankFigures
 from flatfsdp.estimator.timeline import ComputeModel, Prediction, replay
 
@@ -80,7 +80,7 @@ def probed(machine: MachineProbe) -> tuple[Callable[[Layout], ComputeModel], Lin
             return Measured(machine.alone, source="probe of this machine")
         return Measured(machine.side_by_side, slowdown(layout), source="probe of this machine")
 
-    host = Host(Link(machine.loopback_gbytes_s, machine.latency_s, "loopback"), machine.cpu_s_per_byte, Mesh(1))
+    host = Host(loopback(machine), machine.cpu_s_per_byte, Mesh(1), loopback_busy=loopback(machine, True))
     return compute, Links(ranks_per_node=1 << 30, host=host, probed_ranks=machine.ranks)
 
 

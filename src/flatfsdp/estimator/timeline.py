@@ -1,21 +1,28 @@
 """A step's time, replayed from the engine's own schedule (schedule_trace.py).
 
 One rank's records are walked in order. Compute ops advance the host's clock
-by what the compute model says they cost. A collective starts on its tier's
-link when it is issued -- or, a chained stage, once the stage it follows has
-landed -- and after whatever is already queued on that link (messages
-between two ranks leave in the order posted: one FIFO per tier). A wait
-holds the clock until the collectives it names have landed; that hold is
-the communication left exposed, booked to the tier of the last to land.
-Where moving bytes costs the host CPU (gloo on a shared host), the fabric
-says how much, and the clock pays it where the engine issues the collective.
+by what the compute model says they cost. A collective joins its tier's link
+when it is issued, behind whatever that link still carries (messages between
+two ranks leave in the order posted: one FIFO per tier); a chained stage
+(HSDP's all-reduce after a reduce-scatter) also waits for the stage it
+follows to land. A wait holds the clock until the collectives it names have
+landed; that hold is the communication left exposed, booked to the tier of
+the last to land.
+
+Links move bytes at a rate that may depend on what the host does
+(``Fabric.wire_seconds(..., busy)``): on a CPU host gloo's threads share the
+cores with compute, so a transfer runs slower while the host computes than
+while it waits. The replay is fluid: each link's first collective progresses
+at the rate of the moment. Where moving bytes also takes compute time from
+the host, the fabric says how much (``host_seconds``), paid where the engine
+issues the collective.
 
 Every rank runs the same schedule (SPMD), so rank 0's replay is the step.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,11 +42,12 @@ class Fabric(Protocol):
     def tier(self, record: schedule_log.Issued) -> str:
         """Which link a collective crosses ("intra", "inter", "link", ...)."""
 
-    def wire_seconds(self, record: schedule_log.Issued, nbytes: int) -> float:
-        """How long ``nbytes`` of collective ``record`` occupy its tier's link."""
+    def wire_seconds(self, record: schedule_log.Issued, nbytes: int, busy: bool) -> float:
+        """How long ``nbytes`` of collective ``record`` occupy its link, the host
+        computing (``busy``) or waiting the whole time."""
 
     def host_seconds(self, record: schedule_log.Issued, nbytes: int) -> float:
-        """CPU the host spends moving those bytes, taken from compute (0 on devices)."""
+        """Compute time the host loses moving those bytes (0 on devices)."""
 
     def describe(self) -> str: ...
 
@@ -49,11 +57,11 @@ class Prediction:
     """A predicted step of one rank."""
     step_s: float = 0.0
     compute_s: float = 0.0
-    """The compute ops alone, back to back."""
+    """The compute ops alone, back to back (and the model's fixed cost a step)."""
     by_phase: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    """Compute seconds by phase: forward, backward, optimizer, engine."""
+    """Compute seconds by phase: forward, backward, optimizer, engine, framework."""
     host_comm_s: float = 0.0
-    """Host CPU paid for moving bytes (CPU hosts)."""
+    """Compute time the host lost moving bytes (CPU hosts)."""
     exposed: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Seconds the host waited for collectives, by tier: communication not hidden."""
     busy: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -71,55 +79,126 @@ class Prediction:
                     model_flops=self.model_flops, tflops=self.tflops)
 
 
-@dataclass
-class _Collective:
+@dataclass(eq=False)
+class _Transfer:
+    """Bytes of one collective (a paced one's slice) queued on a link."""
     record: schedule_log.Issued
-    tier: str
-    done: float = 0.0
-    after: tuple[int, ...] = ()
+    nbytes: int
+    after: tuple[int, ...]
+    left: float = 1.0
+    """Fraction still to move."""
+
+
+class _Links:
+    """Every tier's FIFO of transfers, advanced together through time."""
+
+    def __init__(self, fabric: Fabric, out: Prediction):
+        self.fabric, self.out = fabric, out
+        self.queues: dict[str, deque[_Transfer]] = defaultdict(deque)
+        self.done: dict[int, float] = {}
+        """Ticket -> when its last transfer landed (while none is queued)."""
+        self.queued: dict[int, int] = defaultdict(int)
+
+    def enqueue(self, transfer: _Transfer, now: float) -> None:
+        self.queues[self.fabric.tier(transfer.record)].append(transfer)
+        self.queued[transfer.record.ticket] += 1
+        self.done.pop(transfer.record.ticket, None)
+
+    def landed(self, ticket: int) -> bool:
+        return self.queued.get(ticket, 0) == 0
+
+    def _head_ready(self, tier: str) -> bool:
+        return all(self.landed(t) for t in self.queues[tier][0].after)
+
+    def advance(self, now: float, until: float, busy: bool) -> None:
+        """Move bytes from ``now`` to ``until``."""
+        while now < until:
+            step, tier = self._next_landing(now, busy)
+            end = min(until, now + step) if tier else until
+            self._flow(end - now, busy, end)
+            now = end
+
+    def run_until_landed(self, tickets: tuple[int, ...], now: float) -> float:
+        """The host waits: move bytes at the waiting rate until ``tickets`` landed; the time then."""
+        while not all(self.landed(t) for t in tickets):
+            step, tier = self._next_landing(now, busy=False)
+            if tier is None:
+                raise RuntimeError(f"the schedule waits for collectives {tickets} that can never land")
+            self._flow(step, False, now + step)
+            now += step
+        return max([now] + [self.done.get(t, 0.0) for t in tickets])
+
+    def _rate(self, transfer: _Transfer, busy: bool) -> float:
+        took = self.fabric.wire_seconds(transfer.record, transfer.nbytes, busy)
+        return float("inf") if took <= 0 else 1.0 / took
+
+    def _next_landing(self, now: float, busy: bool) -> tuple[float, str | None]:
+        """Time until the first head transfer of any tier lands, and its tier."""
+        best, which = float("inf"), None
+        for tier, queue in self.queues.items():
+            if queue and self._head_ready(tier):
+                step = queue[0].left / self._rate(queue[0], busy)
+                if step < best:
+                    best, which = step, tier
+        return best, which
+
+    def _flow(self, span: float, busy: bool, end: float) -> None:
+        # Who moves is decided at the span's start: a stage that lands now frees its follower only after it.
+        moving = [tier for tier, queue in self.queues.items() if queue and self._head_ready(tier)]
+        for tier in moving:
+            queue = self.queues[tier]
+            head = queue[0]
+            rate = self._rate(head, busy)
+            moved = min(head.left, span * rate)
+            head.left -= moved
+            self.out.busy[tier] += moved / rate if rate != float("inf") else 0.0
+            if head.left <= 1e-12:
+                queue.popleft()
+                ticket = head.record.ticket
+                self.queued[ticket] -= 1
+                if self.queued[ticket] == 0:
+                    self.done[ticket] = end
 
 
 def replay(trace: StepTrace, compute: ComputeModel, fabric: Fabric) -> Prediction:
     """The step ``trace`` records, timed by ``compute`` and ``fabric``."""
     follows = {t: r.after for r in trace.records if isinstance(r, schedule_log.Follows) for t in r.tickets}
     out = Prediction(model_flops=trace.flops())
+    links = _Links(fabric, out)
+    issued: dict[int, schedule_log.Issued] = {}
     clock = out.compute_s = compute.step_overhead_s
     out.by_phase["framework"] = clock
-    link_free: dict[str, float] = defaultdict(float)
-    flights: dict[int, _Collective] = {}
 
-    def send(c: _Collective, nbytes: int, now: float) -> float:
-        """Queue ``nbytes`` of ``c`` on its link; returns the host CPU it costs."""
-        start = max([now, link_free[c.tier]] + [flights[t].done for t in c.after if t in flights])
-        took = fabric.wire_seconds(c.record, nbytes)
-        link_free[c.tier] = c.done = max(c.done, start + took)
-        out.busy[c.tier] += took
-        return fabric.host_seconds(c.record, nbytes)
+    def host(seconds: float) -> None:
+        nonlocal clock
+        links.advance(clock, clock + seconds, busy=True)
+        clock += seconds
+
+    def send(record: schedule_log.Issued, nbytes: int) -> None:
+        links.enqueue(_Transfer(record, nbytes, follows.get(record.ticket, ())), clock)
+        cost = fabric.host_seconds(record, nbytes)
+        out.host_comm_s += cost
+        host(cost)
 
     for record in trace.records:
         if isinstance(record, Op):
             took = compute.seconds(record)
-            clock += took
             out.compute_s += took
             out.by_phase[record.phase] += took
+            host(took)
         elif isinstance(record, schedule_log.Issued):
-            c = flights[record.ticket] = _Collective(record, fabric.tier(record), after=follows.get(record.ticket, ()))
+            issued[record.ticket] = record
             if not record.paced:
-                host = send(c, record.nbytes, clock)
-                clock += host
-                out.host_comm_s += host
-        elif isinstance(record, schedule_log.Posted) and record.ticket in flights:
-            host = send(flights[record.ticket], record.nbytes, clock)
-            clock += host
-            out.host_comm_s += host
+                send(record, record.nbytes)
+        elif isinstance(record, schedule_log.Posted) and record.ticket in issued:
+            send(issued[record.ticket], record.nbytes)
         elif isinstance(record, schedule_log.Waited):
-            landing = [flights[t] for t in record.tickets if t in flights]
-            if landing:
-                last = max(landing, key=lambda c: c.done)
-                if last.done > clock:
-                    out.exposed[last.tier] += last.done - clock
-                    clock = last.done
-    # What is still in flight when the step's last op ends is waited for by the next step's first use.
-    end = max([clock] + [c.done for c in flights.values()])
-    out.step_s = end
+            tickets = tuple(t for t in record.tickets if t in issued)
+            if tickets and not all(links.landed(t) for t in tickets):
+                landed = links.run_until_landed(tickets, clock)
+                last = issued[max(tickets, key=lambda t: links.done.get(t, 0.0))]
+                out.exposed[fabric.tier(last)] += landed - clock
+                clock = landed
+    # What is still in flight when the step's last op ends: the next step's first use waits for it.
+    out.step_s = links.run_until_landed(tuple(issued), clock)
     return out
