@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from flatfsdp.bench import gpu_preset
+from flatfsdp.estimator.devices import DEVICES
 from flatfsdp.bench.wire import parse_rate
 from flatfsdp.cli import flags
 from flatfsdp.cli.flags import STRATEGIES, UsageError
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 PROG = "flatfsdp bench"
+PREDICT_DEVICES = tuple(sorted(DEVICES))
 
 CONTENDERS = ("floor", "fsdp2", "flatfsdp", "deepspeed")
 VARIANTS = ("flatfsdp-nocheck", "flatfsdp-fullbit", "fsdp2-compiled", "flatfsdp-compiled",
@@ -105,6 +107,10 @@ class BenchConfig:
     nodes: int = 1
     """Simulated nodes behind ``link`` (1 or 2), ``nprocs`` ranks each; HSDP's
     outer dimension is then the node dimension."""
+    predict: str | None = None
+    """Predict each flatfsdp run's step (and the floor's) beside its measurement:
+    "probe" (this machine, probed before the runs) or a device of
+    flatfsdp.estimator.devices (its published throughput); None: no prediction."""
     model: str = "gpt"
     """"gpt" (models/gpt.py), or "llama" (models/llama.py, ``--preset gpu``: Llama
     3.2 1B's ratios at ``layers`` x ``d_model``, ``heads`` query heads; ``context`` unused)."""
@@ -198,6 +204,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "(default: plain loopback)")
     flags.add(p, "--nnodes", dest="nodes", default=d.nodes, choices=(1, 2),
               note="simulated, with --link: joined by the link, --nproc-per-node ranks each")
+    p.add_argument("--predict", nargs="?", const="probe", default=None, choices=("probe",) + PREDICT_DEVICES,
+                   help="print the estimator's predicted step beside each measured one: 'probe' (default: this "
+                        "machine, probed in the same session) or a device's published throughput")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="directory for results.json and chart.png (default: print the tables only)")
     return p
@@ -260,4 +269,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        strategy=args.strategy, contenders=names,
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None,
-                       link=args.link, nodes=args.nodes, model=PRESET_MODELS.get(args.preset, "gpt"), **shape)
+                       link=args.link, nodes=args.nodes, model=PRESET_MODELS.get(args.preset, "gpt"),
+                       predict=args.predict, **shape)
