@@ -107,6 +107,9 @@ class BenchConfig:
     nodes: int = 1
     """Simulated nodes behind ``link`` (1 or 2), ``nprocs`` ranks each; HSDP's
     outer dimension is then the node dimension."""
+    link_penalty: bool = False
+    """With ``link``: each contender also runs on plain loopback, right after its
+    run behind the link, so the report can say what the link cost it."""
     predict: str | None = None
     """Predict each flatfsdp run's step (and the floor's) beside its measurement:
     "probe" (this machine, probed before the runs) or a device of
@@ -202,6 +205,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--link", default=None, metavar="RATE",
                    help="run the ranks behind one link throttled to RATE (tc units: 2gbit, 500mbit); needs root "
                         "(default: plain loopback)")
+    p.add_argument("--link-penalty", action="store_true",
+                   help="with --link: run each contender on plain loopback too, right after its run behind the link, "
+                        "and report its link penalty (step behind the link / step without it)")
     flags.add(p, "--nnodes", dest="nodes", default=d.nodes, choices=(1, 2),
               note="simulated, with --link: joined by the link, --nproc-per-node ranks each")
     p.add_argument("--predict", nargs="?", const="probe", default=None, choices=("probe",) + PREDICT_DEVICES,
@@ -256,6 +262,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         parse_rate(args.link)  # refuse a rate tc would misread before anything starts
     elif args.nodes > 1:
         raise SystemExit("--nnodes 2 needs --link RATE: the simulated nodes are joined by a throttled link")
+    if args.link_penalty and args.link is None:
+        raise SystemExit("--link-penalty needs --link RATE: it compares each run behind the link with one without")
     context = args.context or max(256, shape["seq_len"])
     if shape["seq_len"] > context:
         raise SystemExit(f"--seq-length {shape['seq_len']} exceeds --max-position-embeddings {context}")
@@ -270,4 +278,4 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None,
                        link=args.link, nodes=args.nodes, model=PRESET_MODELS.get(args.preset, "gpt"),
-                       predict=args.predict, **shape)
+                       link_penalty=args.link_penalty, predict=args.predict, **shape)
