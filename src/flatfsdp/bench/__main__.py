@@ -47,12 +47,16 @@ def _predict(cfg: BenchConfig) -> tuple[dict, dict | None]:
     """Predictions of the runs (``--predict``), made before them: the probe
     measures the machine in the same session as the runs."""
     from flatfsdp.bench.prediction import predict_runs, probe_machine
+    from flatfsdp.estimator.probe import MachineProbe
 
     if under_torchrun():
         print("note: --predict needs a process without a process group (not under torchrun): skipped",
               file=sys.stderr)
         return {}, None
-    machine = probe_machine(cfg) if cfg.predict == "probe" else None
+    machine = None
+    if cfg.predict == "probe":
+        machine = (MachineProbe.from_json(json.loads(Path(cfg.probe_file).read_text())) if cfg.probe_file
+                   else probe_machine(cfg))
     device = None if cfg.predict == "probe" else cfg.predict
     return predict_runs(cfg, machine, device), (machine.to_json() if machine else None)
 

@@ -114,6 +114,9 @@ class BenchConfig:
     """Predict each flatfsdp run's step (and the floor's) beside its measurement:
     "probe" (this machine, probed before the runs) or a device of
     flatfsdp.estimator.devices (its published throughput); None: no prediction."""
+    probe_file: str | None = None
+    """With ``predict="probe"``: a probe saved earlier (JSON, ``MachineProbe.to_json``)
+    instead of probing now (bench/cells.py probes once for all its cells)."""
     model: str = "gpt"
     """"gpt" (models/gpt.py), or "llama" (models/llama.py, ``--preset gpu``: Llama
     3.2 1B's ratios at ``layers`` x ``d_model``, ``heads`` query heads; ``context`` unused)."""
@@ -213,6 +216,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--predict", nargs="?", const="probe", default=None, choices=("probe",) + PREDICT_DEVICES,
                    help="print the estimator's predicted step beside each measured one: 'probe' (default: this "
                         "machine, probed in the same session) or a device's published throughput")
+    p.add_argument("--probe-file", default=None, metavar="FILE",
+                   help="with --predict: a probe of this machine saved earlier (JSON) instead of probing now")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="directory for results.json and chart.png (default: print the tables only)")
     return p
@@ -278,4 +283,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None,
                        link=args.link, nodes=args.nodes, model=PRESET_MODELS.get(args.preset, "gpt"),
-                       link_penalty=args.link_penalty, predict=args.predict, **shape)
+                       link_penalty=args.link_penalty, predict=args.predict or ("probe" if args.probe_file else None),
+                       probe_file=args.probe_file, **shape)

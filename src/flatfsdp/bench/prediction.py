@@ -53,7 +53,7 @@ def probe_machine(cfg: BenchConfig) -> MachineProbe:
     core), its transfers as large as the model's fp32 weights, 16 to 128 MB."""
     with torch.device("meta"):
         weights = sum(p.numel() for p in build_model(cfg).parameters()) * 4
-    return probe(probe_step, (cfg.as_dict(),), threads_per_rank=cfg.threads_per_rank,
+    return probe([(probe_step, (cfg.as_dict(),))], threads_per_rank=cfg.threads_per_rank,
                  comm_mbytes=min(128, max(16, weights >> 20)))
 
 

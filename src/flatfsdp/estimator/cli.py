@@ -60,7 +60,7 @@ def _time(args, rows: list) -> tuple[list, dict[int, int], list[str]]:
         from flatfsdp.estimator.probe import probe
         from flatfsdp.estimator.probe_steps import spec_step
 
-        machine = probe(spec_step, (args.model, args.micro_batch_size, args.seq_length, args.bf16, args.recompute))
+        machine = probe([(spec_step, (args.model, args.micro_batch_size, args.seq_length, args.bf16, args.recompute))])
         compute, links = probed(machine)
     else:
         device = Throughput(DEVICES[args.device])

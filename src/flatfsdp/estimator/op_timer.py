@@ -59,6 +59,12 @@ def dispatch_seconds(device: torch.device, repeats: int = 5000) -> float:
     return (time.perf_counter() - start) / (2 * repeats)
 
 
+RATE_MIN_FLOPS = 10_000_000
+RATE_MIN_BYTES = 256 << 10
+"""Ops this large make the rates an unmeasured op's work is priced at: in a
+smaller one the fixed cost of running it outweighs its work."""
+
+
 def rates_from(timed: list, plain_step_s: float, per_op_s: float, steps: int = 1) -> OpRates:
     """``OpRates`` from ``steps`` timed steps, the same step's time unobserved
     and what an op's dispatch costs."""
@@ -67,13 +73,14 @@ def rates_from(timed: list, plain_step_s: float, per_op_s: float, steps: int = 1
     flops, flop_time, nbytes, byte_time = 0, 0.0, 0, 0.0
     for op, took in timed:
         by_key[op.key].append(took)
-        if op.flops or op.nbytes:
-            entry = work[op.name]
-            entry[0] += took
-            entry[1] += op.flops or op.nbytes
+        if op.flops < RATE_MIN_FLOPS and op.nbytes < RATE_MIN_BYTES:
+            continue  # a rate of work, not of fixed costs
+        entry = work[op.name]
+        entry[0] += took
+        entry[1] += op.flops or op.nbytes
         if op.flops:
             flops, flop_time = flops + op.flops, flop_time + took
-        elif op.nbytes:
+        else:
             nbytes, byte_time = nbytes + op.nbytes, byte_time + took
     own = sum(took for _, took in timed)
     return OpRates(by_key={k: sum(v) / len(v) for k, v in by_key.items()},

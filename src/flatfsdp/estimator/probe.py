@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -40,8 +40,8 @@ class MachineProbe:
     """The same with ``ranks`` ranks computing at once."""
     ranks: int
     cores: int
-    step_s: dict[str, float] = field(default_factory=dict)
-    """The probe's own unsharded step, unobserved: "alone", "side_by_side"."""
+    step_s: dict[str, list[float]] = field(default_factory=dict)
+    """The probe's own unsharded steps, unobserved, one per workload: "alone", "side_by_side"."""
     loopback_gbytes_s: float = 0.0
     """GB a rank sends per second in an exchange while the ranks wait for it."""
     loopback_busy_gbytes_s: float = 0.0
@@ -73,36 +73,52 @@ def loopback(machine: MachineProbe, computing: bool = False) -> Link:
     return Link(rate, machine.latency_s, "loopback" + (" (computing)" if computing else ""))
 
 
-def probe(step_factory: Callable, factory_args: tuple, *, ranks: int | None = None, steps: int = 3,
+def probe(workloads: list[tuple[Callable, tuple]], *, ranks: int | None = None, steps: int = 3,
           comm_mbytes: int = 128, threads_per_rank: int = 1, workload_s: float = 0.5) -> MachineProbe:
-    """Probe this machine for the model ``step_factory(*factory_args)`` trains
-    (it returns a function making one training step; module-level, so ranks can
-    import it). ``ranks``: side by side (default: one per core); ``comm_mbytes``,
-    ``workload_s``: the buffer exchanged and the compute beside it (probe_comm.py)."""
+    """Probe this machine for the training steps ``factory(*args)`` makes, for
+    each ``(factory, args)`` of ``workloads`` (a factory returns a function making
+    one step; module-level, so ranks can import it): the same model at several
+    batch shapes, say. ``ranks``: side by side (default: one per core);
+    ``comm_mbytes``, ``workload_s``: the buffer exchanged and the compute beside
+    it (probe_comm.py)."""
     from flatfsdp.launch import launch
 
     cores = os.cpu_count() or 1
     ranks = ranks or cores
     load = os.getloadavg()
-    alone = launch(probe_rank, 1, step_factory, factory_args, steps, 0, workload_s, threads_per_rank=threads_per_rank)
-    together = launch(probe_rank, ranks, step_factory, factory_args, steps, comm_mbytes, workload_s,
-                      threads_per_rank=threads_per_rank)
+    alone = launch(probe_rank, 1, workloads, steps, 0, workload_s, threads_per_rank=threads_per_rank)
+    together = launch(probe_rank, ranks, workloads, steps, comm_mbytes, workload_s, threads_per_rank=threads_per_rank)
     return MachineProbe(alone=alone["rates"], side_by_side=together["rates"], ranks=ranks, cores=cores,
                         step_s={"alone": alone["step_s"], "side_by_side": together["step_s"]},
                         load=load, **{k: together[k] for k in ("loopback_gbytes_s", "loopback_busy_gbytes_s",
                                                                "latency_s", "cpu_s_per_byte", "measured")})
 
 
-def probe_rank(step_factory: Callable, factory_args: tuple, steps: int, comm_mbytes: int,
-               workload_s: float = 0.5) -> dict:
+def probe_rank(workloads: list[tuple[Callable, tuple]], steps: int, comm_mbytes: int, workload_s: float = 0.5) -> dict:
     """One probe rank (what ``probe`` launches)."""
     device = torch.device(torch.accelerator.current_accelerator().type) if torch.accelerator.is_available() \
         else torch.device("cpu")
-    step = step_factory(*factory_args)
+    per_op = dispatch_seconds(device)
+    timed, overheads, step_s = [], [], []
+    for factory, args in workloads:
+        workload_timed, plain = _time_steps(factory(*args), steps, device)
+        timed += workload_timed
+        step_s.append(plain)
+        overheads.append(rates_from(workload_timed, plain, per_op, steps).step_overhead_s)
+    # Signatures carry shapes, so the workloads' ops stay apart; the model's own fixed cost is theirs on average.
+    rates = replace(rates_from(timed, 0.0, per_op, steps), step_overhead_s=statistics.mean(overheads))
+    out = dict(rates=rates, step_s=step_s)
+    if dist.get_world_size() > 1 and comm_mbytes:
+        out.update(_comm(comm_mbytes << 20, device, workload_s))
+    return out
+
+
+def _time_steps(step: Callable[[], None], steps: int, device: torch.device) -> tuple[list, float]:
+    """Every op of ``steps`` steps timed, and the median of as many plain steps
+    between them: a load that drifts meanwhile (other jobs) weighs on both alike."""
     for _ in range(2):
         step()
     dist.barrier()
-    # Plain and timed steps alternate: a load that drifts meanwhile (other jobs) weighs on both alike.
     plain, timer = [], OpTimer(device)
     for _ in range(steps):
         start = time.perf_counter()
@@ -111,11 +127,7 @@ def probe_rank(step_factory: Callable, factory_args: tuple, steps: int, comm_mby
         plain.append(time.perf_counter() - start)
         with timer:
             step()
-    step_s = statistics.median(plain)
-    out = dict(rates=rates_from(timer.timed, step_s, dispatch_seconds(device), steps), step_s=step_s)
-    if dist.get_world_size() > 1 and comm_mbytes:
-        out.update(_comm(comm_mbytes << 20, device, workload_s))
-    return out
+    return timer.timed, statistics.median(plain)
 
 
 def _sync(device: torch.device) -> None:
