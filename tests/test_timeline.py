@@ -103,9 +103,11 @@ def test_a_paced_gather_travels_as_its_slices_are_posted():
 
 
 def test_tflops_divide_the_models_flops_by_the_step():
-    p = run(Op("mm", 2_000_000, 0, ("mm",), "forward"), Op("mm", 2_000_000, 0, ("mm",), "optimizer"))
-    assert p.model_flops == 2_000_000  # the optimizer's work is not the model's
-    assert p.tflops == pytest.approx(2e6 / 4.0 / 1e12)
+    p = run(Op("mm", 2_000_000, 0, ("mm",), "forward"), Op("mm", 4_000_000, 0, ("mm",), "backward"),
+            Op("mm", 2_000_000, 0, ("mm",), "backward"), Op("mm", 2_000_000, 0, ("mm",), "optimizer"))
+    # Three times the forward: a recomputed forward (inside backward) and the optimizer are not the model's.
+    assert p.model_flops == 6_000_000
+    assert p.tflops == pytest.approx(6e6 / 10.0 / 1e12)
 
 
 def test_a_ring_within_a_node_and_across_nodes():

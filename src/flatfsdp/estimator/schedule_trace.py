@@ -59,8 +59,15 @@ class StepTrace:
         return [r for r in self.records if isinstance(r, Op)]
 
     def flops(self, phases: tuple[str, ...] = ("forward", "backward")) -> int:
-        """FLOPs of the model's own computation (a TFLOP/s figure's numerator)."""
+        """FLOPs the ops of these phases compute (recomputed forwards run inside backward)."""
         return sum(op.flops for op in self.ops if op.phase in phases)
+
+    def model_flops(self) -> int:
+        """A model FLOP/s figure's numerator: the forward's FLOPs three times
+        (backward computes twice the forward's), recompute not counted -- the
+        convention of model FLOPs utilisation (PaLM, Chowdhery et al. 2022) and
+        of bench/flops.py."""
+        return 3 * self.flops(("forward",))
 
 
 class _Tracer(TorchDispatchMode):

@@ -70,7 +70,7 @@ class Prediction:
 
     @property
     def tflops(self) -> float:
-        """Model TFLOP/s per rank (forward + backward FLOPs over the step)."""
+        """Model TFLOP/s per rank (``StepTrace.model_flops`` over the step)."""
         return self.model_flops / self.step_s / 1e12 if self.step_s > 0 else 0.0
 
     def to_json(self) -> dict:
@@ -163,7 +163,7 @@ class _Links:
 def replay(trace: StepTrace, compute: ComputeModel, fabric: Fabric) -> Prediction:
     """The step ``trace`` records, timed by ``compute`` and ``fabric``."""
     follows = {t: r.after for r in trace.records if isinstance(r, schedule_log.Follows) for t in r.tickets}
-    out = Prediction(model_flops=trace.flops())
+    out = Prediction(model_flops=trace.model_flops())
     links = _Links(fabric, out)
     issued: dict[int, schedule_log.Issued] = {}
     clock = out.compute_s = compute.step_overhead_s
