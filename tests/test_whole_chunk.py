@@ -1,7 +1,8 @@
 """A rank whose chunk is the whole group (world 1; HSDP replicas of one rank)
 keeps no second, compute-dtype copy of its weights under ZeRO-3: each gather
 casts the main weights (comm/cast_gather.py). bf16 compute then costs 16
-bytes a parameter, as FSDP2's, not 18."""
+bytes a parameter, as FSDP2's, not 18; in fp32 the gathered buffer is the
+main weights themselves, and a step holds what ZeRO-2 holds at one rank."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from training import batches, shard_gpt, train_reference, train_sharded
 STEPS = 3
 
 
-@pytest.mark.parametrize("world, shard_size, expected", [(1, None, 16), (2, 1, 16), (2, None, 18)])
-def test_bytes_a_parameter_with_bf16_compute(world, shard_size, expected):
-    [(layout, figures)] = estimate("gpt-tiny", [world], shard_size=shard_size, bf16=True, micro_batch=1,
+@pytest.mark.parametrize("world, shard_size, bf16, expected", [(1, None, True, 16), (2, 1, True, 16),
+                                                               (2, None, True, 18), (1, None, False, 16)])
+def test_bytes_a_parameter(world, shard_size, bf16, expected):
+    [(layout, figures)] = estimate("gpt-tiny", [world], shard_size=shard_size, bf16=bf16, micro_batch=1,
                                    seq_len=32)
     held = sum(figures.persistent.values()) * layout.shard / figures.params
     assert held == pytest.approx(expected, abs=0.01)  # padding aside
@@ -43,3 +45,11 @@ def test_a_real_rank_alone_keeps_16_bytes_a_parameter_and_trains_as_before():
     # The same recipe as the unsharded bf16 reference (bf16 rounding of the casts aside).
     assert max(abs(a - b) for a, b in zip(out["losses"], ref_losses)) < 5e-3
     assert torch.tensor(out["losses"]).isfinite().all()
+
+
+def test_alone_in_fp32_zero3_holds_what_zero2_holds():
+    zero2, zero3 = (estimate("gpt-tiny", [1], strategy=s, micro_batch=1, seq_len=32)[0][1]
+                    for s in ("optim_grads", "optim_grads_params"))
+    assert zero3.persistent == zero2.persistent
+    assert zero3.engine_transient_peak == zero2.engine_transient_peak  # nothing gathered comes and goes
+    assert "all_gather" not in zero3.comm["world"]

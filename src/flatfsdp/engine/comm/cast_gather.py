@@ -1,13 +1,15 @@
 """The gather codec of a group whose chunk is the whole group: a shard group
-of one rank (world 1; HSDP replicas of one rank each) under ZeRO-3, computing
-in a narrower dtype than its main weights.
+of one rank (world 1; HSDP replicas of one rank each) under ZeRO-3.
 
 Nothing travels, so a compute-dtype copy of the chunk kept between steps --
 what a gather sends from elsewhere -- would only hold a second copy of the
-weights (2 bytes a parameter in bf16: 18 bytes instead of FSDP2's 16). Each
-gather casts the main weights into the unsharded buffer instead, as FSDP2's
-all-gather casts its fp32 shard: the cast costs one pass over the unit per
-gather, the memory is the unit's gathered weights only while it computes.
+weights (2 bytes a parameter in bf16: 18 bytes instead of FSDP2's 16).
+Computing in a narrower dtype than the main weights, each gather casts the
+main weights into the unsharded buffer instead, as FSDP2's all-gather casts
+its fp32 shard: one pass over the unit per gather, and the memory is the
+unit's gathered weights only while it computes. In one dtype the unsharded
+buffer is the main weights themselves (``in_place``): no copy at all, and
+nothing gathered comes and goes.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ class CastGather:
     travels_alone = True
 
     def __init__(self, layout: GroupLayout, unsharded: torch.Tensor, main_chunk: Callable[[int], torch.Tensor],
-                 transport: Transport):
-        """``main_chunk(i)``: parameter i's main weights (the whole parameter here)."""
+                 transport: Transport, in_place: bool = False):
+        """``main_chunk(i)``: parameter i's main weights (the whole parameter here);
+        ``in_place``: they are the unsharded buffer itself (one dtype): nothing to do."""
         if layout.world != 1:
             raise ValueError(f"a cast gather is for a chunk that is the whole group, not one of {layout.world}")
         self.layout, self.unsharded, self.transport = layout, unsharded, transport
-        self._main_chunk = main_chunk
+        self._main_chunk, self.in_place = main_chunk, in_place
 
     @property
     def row_bytes(self) -> int:
@@ -61,7 +64,7 @@ class CastGather:
 
     def local_result(self) -> Pending:
         """The cast, run where the unit waits for its weights (on its compute stream)."""
-        return Pending(label="(cast: the chunk is the whole group)", then=[self._cast])
+        return Pending(label="(cast: the chunk is the whole group)", then=[] if self.in_place else [self._cast])
 
     def issue_alone(self, group: dist.ProcessGroup, *, async_op: bool, stream: SideStream | None) -> Pending:
         return self.local_result()
