@@ -168,6 +168,12 @@ def test_the_schedule_is_the_engines_own(traced):
     overlapped = [t for t in issued_at if any(isinstance(r, Op) and r.flops
                                               for r in records[issued_at[t]:waited_at[t]])]
     assert len(overlapped) >= layout.world  # blocks' gathers ride behind the blocks before them
+    # Each collective is known by the engine phase, and so the unit, that issued it.
+    assert set(figures.schedule.issued_in) == set(issued_at)
+    gathered = [where for t, where in figures.schedule.issued_in.items()
+                if next(r for r in issued_ if r.ticket == t).kind == "all_gather"]
+    assert gathered[0] == "flatfsdp::unshard (<root>)"
+    assert {f"flatfsdp::unshard (blocks.{i})" for i in range(4)} <= set(gathered)
 
 
 def test_hsdp_replica_reductions_follow_the_shard_reductions(traced):

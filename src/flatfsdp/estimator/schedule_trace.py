@@ -53,6 +53,9 @@ class Op:
 class StepTrace:
     """The records of one step, in order: ``Op`` and engine/comm/schedule_log's."""
     records: list = field(default_factory=list)
+    issued_in: dict[int, str] = field(default_factory=dict)
+    """Ticket -> the engine phase that issued it ("flatfsdp::prefetch (blocks.3)"):
+    which unit a collective belongs to, for saying what is exposed."""
 
     @property
     def ops(self) -> list[Op]:
@@ -87,6 +90,13 @@ class _Tracer(TorchDispatchMode):
             self.trace.records.append(describe_op(func, args, kwargs, out, self._phase()))
         return out
 
+    def collective(self, record) -> None:
+        """The engine's account tells of a collective (the listener)."""
+        self.trace.records.append(record)
+        if type(record).__name__ == "Issued":
+            where = [label for label in self._labels if label.startswith("flatfsdp::")]
+            self.trace.issued_in[record.ticket] = where[-1] if where else "(outside the engine's phases)"
+
     def _phase(self) -> str:
         label = next((l for l in reversed(self._labels) if l.startswith(("flatfsdp::", "Optimizer."))), "")
         if label.startswith("Optimizer."):
@@ -100,7 +110,8 @@ class _Tracer(TorchDispatchMode):
 def tracing() -> Iterator[StepTrace]:
     """Record the ops and the engine's collectives of what runs inside."""
     trace = StepTrace()
-    with flatfsdp.comm_account().listening(trace.records.append), _Tracer(trace):
+    tracer = _Tracer(trace)
+    with flatfsdp.comm_account().listening(tracer.collective), tracer:
         yield trace
 
 

@@ -66,6 +66,9 @@ class Prediction:
     """Seconds the host waited for collectives, by tier: communication not hidden."""
     busy: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Seconds each tier's link carried bytes."""
+    waits: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Exposed seconds by what the host waited for: "all_gather 49.2 MB over world, issued in
+    flatfsdp::unshard (<root>)" -- where the schedule loses time."""
     model_flops: int = 0
 
     @property
@@ -76,7 +79,8 @@ class Prediction:
     def to_json(self) -> dict:
         return dict(step_s=self.step_s, compute_s=self.compute_s, by_phase=dict(self.by_phase),
                     host_comm_s=self.host_comm_s, exposed=dict(self.exposed), busy=dict(self.busy),
-                    model_flops=self.model_flops, tflops=self.tflops)
+                    waits=dict(sorted(self.waits.items(), key=lambda kv: -kv[1])), model_flops=self.model_flops,
+                    tflops=self.tflops)
 
 
 @dataclass(eq=False)
@@ -198,6 +202,9 @@ def replay(trace: StepTrace, compute: ComputeModel, fabric: Fabric) -> Predictio
                 landed = links.run_until_landed(tickets, clock)
                 last = issued[max(tickets, key=lambda t: links.done.get(t, 0.0))]
                 out.exposed[fabric.tier(last)] += landed - clock
+                where = trace.issued_in.get(last.ticket, "")
+                out.waits[f"{last.kind} {last.nbytes / 2**20:.1f} MB over {last.dim}"
+                          + (f", issued in {where}" if where else "")] += landed - clock
                 clock = landed
     # What is still in flight when the step's last op ends: the next step's first use waits for it.
     out.step_s = links.run_until_landed(tuple(issued), clock)
