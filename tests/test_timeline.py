@@ -28,10 +28,11 @@ class Clock:
 
 
 class Wire:
-    """A collective occupies its link ``nbytes`` microseconds and costs the host ``host`` per byte."""
+    """A collective occupies its link ``nbytes`` microseconds, costs the host
+    ``host`` per byte once and takes ``stolen`` of its compute speed while it moves."""
 
-    def __init__(self, host: float = 0.0):
-        self.host = host
+    def __init__(self, host: float = 0.0, stolen: float = 0.0):
+        self.host, self.share = host, stolen
 
     def tier(self, record) -> str:
         return record.dim
@@ -41,6 +42,9 @@ class Wire:
 
     def host_seconds(self, record, nbytes: int) -> float:
         return nbytes * self.host
+
+    def stolen(self, record, nbytes: int) -> float:
+        return self.share
 
     def describe(self) -> str:
         return "test wire"
@@ -54,8 +58,8 @@ def issued(ticket: int, us: int, dim: str = "world", paced: bool = False) -> log
     return log.Issued(ticket, "all_gather", us, dim, 2, paced)
 
 
-def run(*records, host: float = 0.0):
-    return replay(StepTrace(list(records)), Clock(), Wire(host))
+def run(*records, host: float = 0.0, stolen: float = 0.0):
+    return replay(StepTrace(list(records)), Clock(), Wire(host, stolen))
 
 
 def test_a_collective_hidden_behind_compute_costs_nothing():
@@ -94,6 +98,14 @@ def test_host_cost_of_moving_bytes_delays_compute():
     assert p.step_s == pytest.approx(1.1)
 
 
+def test_a_transfer_sharing_the_hosts_cores_slows_its_compute():
+    # While the 1 s transfer moves, compute runs at half speed: 1 s of work takes 1.5 s.
+    p = run(issued(0, 1_000_000), op(1_000_000), log.Waited((0,)), stolen=0.5)
+    assert p.step_s == pytest.approx(1.5)
+    assert p.host_comm_s == pytest.approx(0.5)
+    assert sum(p.exposed.values()) == 0
+
+
 def test_a_paced_gather_travels_as_its_slices_are_posted():
     p = run(issued(0, 0, paced=True), op(1_000_000), log.Posted(0, 400_000), op(1_000_000), log.Posted(0, 400_000),
             log.Waited((0,)))
@@ -130,7 +142,12 @@ def test_a_host_behind_one_shared_link_and_between_two_nodes():
     shared = Host(loopback, {"all_gather": 1e-9}, Mesh(2, {"world": (2, 1)}), shared_rate=250e6)
     # Both ranks send half the buffer through the one bucket: 1 GB at 250 MB/s.
     assert shared.wire_seconds(gather, gather.nbytes) == pytest.approx(4.0)
-    assert shared.host_seconds(gather, gather.nbytes) == pytest.approx(0.5)
+    # 0.5 GB sent at 1 ns of compute a byte, over the 4 s it moves: an eighth of the host's speed.
+    assert shared.stolen(gather, gather.nbytes) == pytest.approx(0.125)
+    assert shared.host_seconds(gather, gather.nbytes) == 0
+    summing = Host(loopback, {}, Mesh(2, {"world": (2, 1)}), sum_s_per_byte=1e-9)
+    reduce = log.Issued(3, "reduce_scatter", 1_000_000_000, "world", 2)
+    assert summing.host_seconds(reduce, reduce.nbytes) == pytest.approx(0.5)
     nodes = Host(loopback, {}, Mesh(2, {"world": (4, 1), "dp_outer": (2, 2)}), node_rate=125e6)
     world = log.Issued(1, "all_gather", 1_000_000_000, "world", 4)
     # Each rank sends a quarter to each of 3 peers, 2 of them on the other node; 2 ranks share the egress.

@@ -94,7 +94,8 @@ def models_for(cfg: BenchConfig, name: str, machine: MachineProbe | None, device
     compute = Measured(machine.alone if alone else machine.side_by_side, slowdown, source="probe of this machine")
     rate = parse_rate(cfg.link) if cfg.link and name != "floor" else None
     fabric = Host(loopback(machine), machine.cpu_s_per_byte, mesh, shared_rate=rate if cfg.nodes == 1 else None,
-                  node_rate=rate if cfg.nodes > 1 else None, slowdown=slowdown, loopback_busy=loopback(machine, True))
+                  node_rate=rate if cfg.nodes > 1 else None, slowdown=slowdown, loopback_busy=loopback(machine, True),
+                  sum_s_per_byte=machine.sum_s_per_byte)
     return compute, fabric
 
 

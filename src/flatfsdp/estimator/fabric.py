@@ -84,6 +84,9 @@ class Cluster:
     def host_seconds(self, record: schedule_log.Issued, nbytes: int) -> float:
         return 0.0  # DMA engines and the NIC move the bytes
 
+    def stolen(self, record: schedule_log.Issued, nbytes: int) -> float:
+        return 0.0
+
     def describe(self) -> str:
         return (f"links: {self.intra.name} {self.intra.gbytes_s:g} GB/s inside a node of {self.mesh.ranks_per_node}, "
                 f"{self.inter.name} {self.inter.gbytes_s:g} GB/s per rank between nodes; rings, "
@@ -96,8 +99,9 @@ class Host:
     loopback: Link
     """Loopback while the ranks wait: nothing competes with gloo's threads."""
     cpu_s_per_byte: dict[str, float]
-    """Compute time a rank loses per byte it sends, by collective kind (sending
-    and receiving both paid), measured by the probe while the ranks compute."""
+    """Compute time a rank loses per byte it sends while it computes beside the
+    transfer, by collective kind (sending and receiving both paid), as the
+    probe measured."""
     mesh: Mesh
     shared_rate: float | None = None
     """Bytes/s of one token bucket all ranks' traffic shares (``--link``, one node)."""
@@ -108,6 +112,8 @@ class Host:
     loopback_busy: Link | None = None
     """Loopback while the ranks compute (gloo's threads then share the cores);
     None: as while they wait."""
+    sum_s_per_byte: float = 0.0
+    """A reduce-scatter's sum of what arrived, on the host's main thread, per byte received."""
 
     def tier(self, record: schedule_log.Issued) -> str:
         if self.node_rate is not None and self.mesh.spans_nodes(record):
@@ -131,8 +137,14 @@ class Host:
         return took
 
     def host_seconds(self, record: schedule_log.Issued, nbytes: int) -> float:
+        summed = record.kind == "reduce_scatter"
+        return self.sum_s_per_byte * ring_bytes(record, nbytes) * self.slowdown if summed else 0.0
+
+    def stolen(self, record: schedule_log.Issued, nbytes: int) -> float:
+        """Compute lost per byte x bytes per second the transfer moves while the host computes."""
+        took = self.wire_seconds(record, nbytes, busy=True)
         per_byte = self.cpu_s_per_byte.get(record.kind, self.cpu_s_per_byte.get("all_gather", 0.0))
-        return per_byte * ring_bytes(record, nbytes) * self.slowdown
+        return per_byte * ring_bytes(record, nbytes) / took if took > 0 else 0.0
 
     def describe(self) -> str:
         busy = self.loopback_busy or self.loopback

@@ -80,7 +80,8 @@ def probed(machine: MachineProbe) -> tuple[Callable[[Layout], ComputeModel], Lin
             return Measured(machine.alone, source="probe of this machine")
         return Measured(machine.side_by_side, slowdown(layout), source="probe of this machine")
 
-    host = Host(loopback(machine), machine.cpu_s_per_byte, Mesh(1), loopback_busy=loopback(machine, True))
+    host = Host(loopback(machine), machine.cpu_s_per_byte, Mesh(1), loopback_busy=loopback(machine, True),
+                sum_s_per_byte=machine.sum_s_per_byte)
     return compute, Links(ranks_per_node=1 << 30, host=host, probed_ranks=machine.ranks)
 
 

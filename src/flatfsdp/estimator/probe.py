@@ -49,8 +49,10 @@ class MachineProbe:
     latency_s: float = 0.0
     """A small exchange's time."""
     cpu_s_per_byte: dict[str, float] = field(default_factory=dict)
-    """Compute time a rank loses per byte it sends, by collective kind (a
-    reduce-scatter's includes summing what arrived)."""
+    """Compute time a rank loses per byte it sends while computing beside the
+    transfer, by collective kind."""
+    sum_s_per_byte: float = 0.0
+    """A reduce-scatter's sum of what arrived, per byte, on the main thread."""
     measured: dict = field(default_factory=dict)
     """probe_comm's raw figures."""
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -91,7 +93,8 @@ def probe(workloads: list[tuple[Callable, tuple]], *, ranks: int | None = None, 
     return MachineProbe(alone=alone["rates"], side_by_side=together["rates"], ranks=ranks, cores=cores,
                         step_s={"alone": alone["step_s"], "side_by_side": together["step_s"]},
                         load=load, **{k: together[k] for k in ("loopback_gbytes_s", "loopback_busy_gbytes_s",
-                                                               "latency_s", "cpu_s_per_byte", "measured")})
+                                                               "latency_s", "cpu_s_per_byte", "sum_s_per_byte",
+                                                               "measured")})
 
 
 def probe_rank(workloads: list[tuple[Callable, tuple]], steps: int, comm_mbytes: int, workload_s: float = 0.5) -> dict:
@@ -141,8 +144,8 @@ def _comm(nbytes: int, device: torch.device, workload_s: float) -> dict:
     lost = m["lost_s_per_byte"]
     return dict(loopback_gbytes_s=m["waiting_gbytes_s"]["exchange"],
                 loopback_busy_gbytes_s=m["computing_gbytes_s"]["exchange"], latency_s=m["latency_s"],
-                cpu_s_per_byte={"all_gather": lost["exchange"], "reduce_scatter": lost["exchange"] + m["sum_s_per_byte"],
-                                "all_reduce": lost["all_reduce"]},
+                cpu_s_per_byte={"all_gather": lost["exchange"], "reduce_scatter": lost["exchange"],
+                                "all_reduce": lost["all_reduce"]}, sum_s_per_byte=m["sum_s_per_byte"],
                 measured=m)
 
 

@@ -12,10 +12,10 @@ the last to land.
 Links move bytes at a rate that may depend on what the host does
 (``Fabric.wire_seconds(..., busy)``): on a CPU host gloo's threads share the
 cores with compute, so a transfer runs slower while the host computes than
-while it waits. The replay is fluid: each link's first collective progresses
-at the rate of the moment. Where moving bytes also takes compute time from
-the host, the fabric says how much (``host_seconds``), paid where the engine
-issues the collective.
+while it waits, and compute runs slower while a transfer moves
+(``Fabric.stolen``). The replay is fluid: each link's first collective
+progresses at the rate of the moment, and the host's compute at the speed
+the transfers moving then leave it.
 
 Every rank runs the same schedule (SPMD), so rank 0's replay is the step.
 """
@@ -47,9 +47,18 @@ class Fabric(Protocol):
         computing (``busy``) or waiting the whole time."""
 
     def host_seconds(self, record: schedule_log.Issued, nbytes: int) -> float:
-        """Compute time the host loses moving those bytes (0 on devices)."""
+        """Host work a collective adds to the compute thread once (a gloo
+        reduction's sum of what arrived; 0 on devices)."""
+
+    def stolen(self, record: schedule_log.Issued, nbytes: int) -> float:
+        """The share of the host's compute speed this transfer takes while both
+        run (gloo's threads on a CPU host's cores; 0 on devices)."""
 
     def describe(self) -> str: ...
+
+
+MAX_STOLEN = 0.95
+"""Transfers never stop compute altogether (the scheduler still runs it)."""
 
 
 @dataclass
@@ -61,7 +70,8 @@ class Prediction:
     by_phase: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Compute seconds by phase: forward, backward, optimizer, engine, framework."""
     host_comm_s: float = 0.0
-    """Compute time the host lost moving bytes (CPU hosts)."""
+    """Wall time the host's compute lost to moving bytes (CPU hosts): transfers
+    sharing its cores, a reduction's sum."""
     exposed: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Seconds the host waited for collectives, by tier: communication not hidden."""
     busy: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -122,6 +132,26 @@ class _Links:
             self._flow(end - now, busy, end)
             now = end
 
+    def stolen(self) -> float:
+        """The share of compute speed the transfers moving now take (while the host computes)."""
+        moving = [q[0] for tier, q in self.queues.items() if q and self._head_ready(tier)]
+        return min(MAX_STOLEN, sum(self.fabric.stolen(t.record, t.nbytes) for t in moving))
+
+    def compute(self, now: float, seconds: float) -> float:
+        """The host computes ``seconds`` of work from ``now``, slowed while
+        transfers share its cores; returns when it is done."""
+        left = seconds
+        while left > 1e-15:
+            speed = 1.0 - self.stolen()
+            step, tier = self._next_landing(now, busy=True)
+            wall = left / speed
+            if tier is None or step >= wall:
+                self._flow(wall, True, now + wall)
+                return now + wall
+            self._flow(step, True, now + step)
+            now, left = now + step, left - step * speed
+        return now
+
     def run_until_landed(self, tickets: tuple[int, ...], now: float) -> float:
         """The host waits: move bytes at the waiting rate until ``tickets`` landed; the time then."""
         while not all(self.landed(t) for t in tickets):
@@ -175,8 +205,9 @@ def replay(trace: StepTrace, compute: ComputeModel, fabric: Fabric) -> Predictio
 
     def host(seconds: float) -> None:
         nonlocal clock
-        links.advance(clock, clock + seconds, busy=True)
-        clock += seconds
+        end = links.compute(clock, seconds)
+        out.host_comm_s += (end - clock) - seconds
+        clock = end
 
     def send(record: schedule_log.Issued, nbytes: int) -> None:
         links.enqueue(_Transfer(record, nbytes, follows.get(record.ticket, ())), clock)
