@@ -276,3 +276,26 @@ def test_a_failing_node_stops_the_other_and_a_slow_run_is_cut_off(tmp_path):
         _run_nodes([stuck, failing], logs, timeout_s=60)
     with pytest.raises(RankFailed, match="did not finish within 1 s"):
         _run_nodes([stuck], logs[:1], timeout_s=1)
+
+
+def test_the_cells_report_holds_each_prediction_to_ten_percent():
+    from flatfsdp.bench.cells import PENALTY, PREDICTED
+    from flatfsdp.bench.cells_report import penalty_rows, predicted_rows, write_report
+
+    # Every cell the issue lists, each a valid bench command line.
+    names = {c.name for c in PREDICTED}
+    assert {"loopback-small-1", "loopback-small-2", "loopback-small-4", "2gbit-large-int8w-bf16g",
+            "2nodes-1gbit-small"} <= names
+    for cell in PREDICTED + PENALTY:
+        parse(list(cell.argv))
+    row = dict(label="flatfsdp", step_s=1.0, step_s_range=[0.9, 1.1], exposed_s=0.2, prediction_error=0.08,
+               predicted=dict(step_s=1.08, exposed={"link": 0.15}))
+    far = dict(row, prediction_error=-0.2, predicted=dict(step_s=0.8, exposed={}))
+    penalty = dict(label="FSDP2", step_s=2.2, no_link_step_s=2.0,
+                   wire=dict(wire_s=1.0, penalty=1.1, penalty_vs_wire=1.1))
+    results = {"cell": dict(summary=dict(rows={"flatfsdp": row, "fsdp2": penalty, "other": far}),
+                            load=[[1.0, 0, 0], [2.0, 0, 0]])}
+    assert predicted_rows(results) == [
+        "| cell | flatfsdp | 1.000 (0.900-1.100) | 1.080 | +8.0% | yes | 0.150 / 0.200 | 1.00 -> 2.00 |",
+        "| cell | flatfsdp | 1.000 (0.900-1.100) | 0.800 | -20.0% | **no** | 0.000 / 0.200 | 1.00 -> 2.00 |"]
+    assert penalty_rows(results) == ["| cell | FSDP2 | 2.200 | 2.000 | 1.000 | 1.100 x | 1.100 x | 1.00 -> 2.00 |"]

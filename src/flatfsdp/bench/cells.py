@@ -84,7 +84,32 @@ def run_cell(cell: Cell, out: Path, extra: list[str], probe: Path | None) -> dic
     argv = list(cell.argv) + extra + ["--out", str(where)] + (["--probe-file", str(probe)] if probe else [])
     before = os.getloadavg()
     summary = bench_main(argv)
-    return dict(summary=summary, load=[before, os.getloadavg()], argv=argv)
+    load = [before, os.getloadavg()]
+    results = where / "results.json"
+    if results.is_file():  # the load it ran under, for predict_again's table
+        results.write_text(json.dumps(json.loads(results.read_text()) | {"load": load}, indent=1, default=str))
+    return dict(summary=summary, load=load, argv=argv)
+
+
+def predict_again(out: Path) -> dict[str, dict]:
+    """The cells already measured under ``out``, their predictions made again
+    from the same saved probe (the time model changed; the runs did not)."""
+    from flatfsdp.bench.options import BenchConfig
+    from flatfsdp.bench.prediction import predict_runs
+    from flatfsdp.bench.prediction_table import attach
+    from flatfsdp.estimator.probe import MachineProbe
+
+    machine = MachineProbe.from_json(json.loads((out / "probe.json").read_text()))
+    results = {}
+    for cell in PREDICTED:
+        path = out / cell.name / "results.json"
+        if not path.is_file():
+            continue
+        saved = json.loads(path.read_text())
+        cfg = BenchConfig.from_dict(saved["config"])
+        attach(saved["summary"], predict_runs(cfg, machine))
+        results[cell.name] = dict(summary=saved["summary"], load=saved.get("load", [[0, 0, 0], [0, 0, 0]]))
+    return results
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", choices=("predicted", "penalty"), help="run one half")
     p.add_argument("--repeats", default="2", help="alternating rounds per cell (default 2)")
     p.add_argument("--steps", default=None, help="timed steps per run (default: the bench's)")
+    p.add_argument("--predict-again", action="store_true",
+                   help="run nothing: make the predictions of the cells already under --out again, from the probe "
+                        "saved there, and write cells.md")
     p.add_argument("--bench-args", default="", metavar="'FLAGS'",
                    help="more bench flags for every cell, e.g. a smaller model for a smoke run")
     return p
@@ -106,6 +134,11 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     extra = ["--repeats", args.repeats] + (["--steps", args.steps] if args.steps else []) + args.bench_args.split()
     results: dict[str, dict] = {}
+    if args.predict_again:
+        results = predict_again(out)
+        report = write_report(out / "cells.md", predicted_rows(results), [])
+        print(report)
+        return
     if args.only in (None, "predicted"):
         probe = probe_once(out, extra)
         for cell in PREDICTED:
