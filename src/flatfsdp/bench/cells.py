@@ -59,7 +59,8 @@ PENALTY = (
     _cell("penalty-large-tied", *LARGE, "--link", "2gbit", "--link-penalty", "--contenders", "fsdp2,flatfsdp"),
     _cell("penalty-large-tied-unit", *LARGE, "--tied-embedding-unit", "--link", "2gbit", "--link-penalty",
           "--contenders", "flatfsdp"),
-    _cell("penalty-large-untied", *LARGE, *UNTIED, "--link", "2gbit", "--link-penalty", "--contenders", "fsdp2,flatfsdp"),
+    _cell("penalty-large-untied", *LARGE, *UNTIED, "--link", "2gbit", "--link-penalty",
+          "--contenders", "fsdp2,flatfsdp"),
     _cell("penalty-small-tied", *SMALL, "--link", "2gbit", "--link-penalty", "--contenders", "fsdp2,flatfsdp"),
 )
 
@@ -67,11 +68,10 @@ PENALTY = (
 def probe_once(out: Path, extra: list[str]) -> Path:
     """One probe of this machine for both batch shapes of the bench GPT; saved for every cell."""
     from flatfsdp.bench.options import parse
-    from flatfsdp.bench.prediction import probe_step
-    from flatfsdp.estimator.probe import probe
+    from flatfsdp.bench.prediction import probe_machine
 
     shapes = [parse(list(shape) + extra)[0] for shape in (SMALL, LARGE)]
-    machine = probe([(probe_step, (cfg.as_dict(),)) for cfg in shapes])
+    machine = probe_machine(shapes[0], shapes)
     path = out / "probe.json"
     path.write_text(json.dumps(machine.to_json()))
     return path

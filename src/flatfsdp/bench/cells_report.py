@@ -20,14 +20,15 @@ def predicted_rows(results: dict[str, dict]) -> list[str]:
                 continue
             lo, hi = row["step_s_range"]
             if "error" in predicted:
-                rows.append(f"| {cell} | {row['label']} | {row['step_s']:.3f} ({lo:.3f}-{hi:.3f}) | not predicted: "
-                            f"{predicted['error']} | | | | {_load(result)} |")
+                rows.append(f"| {cell} | {row['label']} | {row['step_s']:.3f} ({lo:.3f}-{hi:.3f}) "
+                            f"| not predicted: {predicted['error']} | | | | {_load(result)} |")
                 continue
             exposed = sum(predicted["exposed"].values())
             waited = "--" if row.get("exposed_s") is None else f"{row['exposed_s']:.3f}"
             ok = "yes" if abs(row["prediction_error"]) <= 0.10 else "**no**"
-            rows.append(f"| {cell} | {row['label']} | {row['step_s']:.3f} ({lo:.3f}-{hi:.3f}) | {predicted['step_s']:.3f} "
-                        f"| {100 * row['prediction_error']:+.1f}% | {ok} | {exposed:.3f} / {waited} | {_load(result)} |")
+            rows.append(f"| {cell} | {row['label']} | {row['step_s']:.3f} ({lo:.3f}-{hi:.3f}) "
+                        f"| {predicted['step_s']:.3f} | {100 * row['prediction_error']:+.1f}% | {ok} "
+                        f"| {exposed:.3f} / {waited} | {_load(result)} |")
     return rows
 
 

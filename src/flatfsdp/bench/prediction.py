@@ -48,13 +48,45 @@ def probe_step(values: dict):
     return lambda: trainer.step(x, y)
 
 
-def probe_machine(cfg: BenchConfig) -> MachineProbe:
-    """This machine, for this bench's model and batch (ranks side by side: one per
-    core), its transfers as large as the model's fp32 weights, 16 to 128 MB."""
+def engine_step(values: dict):
+    """The same model and batch through the engine (plain flatfsdp) at one rank: nothing travels."""
+    cfg = BenchConfig.from_dict(values)
+    dev = device()
+    with torch.device(dev):
+        model = build_model(cfg)
+    trainer = setup_flatfsdp_variant("flatfsdp", model, cfg)
+    x, y = make_batches(replace(cfg, warmup=1, steps=0), 0, 1, dev)[0]
+    return lambda: trainer.step(x, y)
+
+
+def workload_key(cfg: BenchConfig) -> str:
+    """What a probe's engine measurement is for: the model, its batch and precision."""
+    tied = "untied" if cfg.untied else "tied-unit" if cfg.tied_unit else "tied"
+    return (f"{cfg.model} {cfg.layers}x{cfg.d_model} h{cfg.heads} v{cfg.vocab} {tied}, {cfg.batch}x{cfg.seq_len}, "
+            f"{'bf16' if cfg.bf16 else 'fp32'}")
+
+
+def probe_machine(cfg: BenchConfig, shapes: list[BenchConfig] | None = None) -> MachineProbe:
+    """This machine, for this bench's model at each batch shape of ``shapes``
+    (default: its own), ranks side by side one per core, transfers as large as
+    the model's fp32 weights (16 to 128 MB), and the engine at one rank."""
+    shapes = shapes or [cfg]
     with torch.device("meta"):
         weights = sum(p.numel() for p in build_model(cfg).parameters()) * 4
-    return probe([(probe_step, (cfg.as_dict(),))], threads_per_rank=cfg.threads_per_rank,
-                 comm_mbytes=min(128, max(16, weights >> 20)))
+    return probe([(probe_step, (c.as_dict(),)) for c in shapes], threads_per_rank=cfg.threads_per_rank,
+                 comm_mbytes=min(128, max(16, weights >> 20)),
+                 engine_workloads=[(workload_key(c), engine_step, (c.as_dict(),)) for c in shapes])
+
+
+def engine_overhead(cfg: BenchConfig, machine: MachineProbe) -> float:
+    """The engine's host work a step beyond its ops: its step at one rank as the
+    probe timed it, less the replay of that step's ops (0 if not probed)."""
+    measured = machine.engine_step_s.get(workload_key(cfg))
+    if measured is None:
+        return 0.0
+    alone = replace(cfg, nprocs=1, nodes=1, link=None, contenders=("flatfsdp",))
+    predicted = replay(trace_run(alone, "flatfsdp"), *models_for(alone, "flatfsdp", machine, None, 0.0))
+    return max(0.0, measured - predicted.step_s)
 
 
 def trace_run(cfg: BenchConfig, name: str) -> StepTrace:
@@ -82,8 +114,9 @@ def mesh_of(cfg: BenchConfig, name: str) -> Mesh:
     return Mesh(cfg.nprocs, {"world": (world, 1)})
 
 
-def models_for(cfg: BenchConfig, name: str, machine: MachineProbe | None, device_name: str | None):
-    """The compute model and fabric one run is predicted with."""
+def models_for(cfg: BenchConfig, name: str, machine: MachineProbe | None, device_name: str | None,
+               engine_s: float = 0.0):
+    """The compute model and fabric one run is predicted with (``engine_s``: ``engine_overhead``)."""
     mesh = mesh_of(cfg, name)
     if device_name is not None:
         fabric = Cluster(PRESETS["nvlink-h100"], PRESETS["ib-400"], mesh)
@@ -91,7 +124,8 @@ def models_for(cfg: BenchConfig, name: str, machine: MachineProbe | None, device
     world = 1 if name == "floor" and cfg.nodes == 1 and cfg.nprocs == 1 else cfg.nprocs * cfg.nodes
     alone = world == 1
     slowdown = 1.0 if alone else max(1.0, world / machine.ranks)
-    compute = Measured(machine.alone if alone else machine.side_by_side, slowdown, source="probe of this machine")
+    compute = Measured(machine.alone if alone else machine.side_by_side, slowdown, source="probe of this machine",
+                       engine_s=0.0 if name == "floor" else engine_s)
     rate = parse_rate(cfg.link) if cfg.link and name != "floor" else None
     fabric = Host(loopback(machine), machine.cpu_s_per_byte, mesh, shared_rate=rate if cfg.nodes == 1 else None,
                   node_rate=rate if cfg.nodes > 1 else None, slowdown=slowdown, loopback_busy=loopback(machine, True),
@@ -104,6 +138,7 @@ def predict_runs(cfg: BenchConfig, machine: MachineProbe | None, device_name: st
     """Each predictable contender's predicted step (``Prediction.to_json`` plus
     the assumptions), or why it was not predicted."""
     out = {}
+    engine_s = engine_overhead(cfg, machine) if machine is not None else 0.0
     for name in cfg.contenders:
         if name not in PREDICTED or name == "flatfsdp-compiled":
             continue
@@ -112,7 +147,7 @@ def predict_runs(cfg: BenchConfig, machine: MachineProbe | None, device_name: st
         except Exception as exc:  # noqa: BLE001 -- a schedule the fake world cannot run: say so, bench on
             out[name] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
             continue
-        compute, fabric = models_for(cfg, name, machine, device_name)
+        compute, fabric = models_for(cfg, name, machine, device_name, engine_s)
         prediction: Prediction = replay(trace, compute, fabric)
         out[name] = dict(prediction.to_json(), assumptions=[compute.describe(), fabric.describe()])
     return out

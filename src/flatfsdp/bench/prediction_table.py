@@ -29,7 +29,8 @@ def _row(row: dict) -> str | None:
         return f"| {row['label']} | {row['step_s']:.3f} | not predicted: {predicted['error']} | | | | | | |"
     waited = "--" if row.get("exposed_s") is None else f"{row['exposed_s']:.3f}"
     phases = predicted["by_phase"]
-    return (f"| {row['label']} | {row['step_s']:.3f} | {predicted['step_s']:.3f} | {100 * row['prediction_error']:+.1f}% "
+    return (f"| {row['label']} | {row['step_s']:.3f} | {predicted['step_s']:.3f} "
+            f"| {100 * row['prediction_error']:+.1f}% "
             f"| {predicted['compute_s']:.3f} ({phases.get('engine', 0):.3f}) | {predicted['host_comm_s']:.3f} "
             f"| {_exposed(predicted)} | {waited} | {predicted['tflops']:.3g} |")
 

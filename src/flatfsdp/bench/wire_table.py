@@ -59,7 +59,8 @@ def penalty_table(summary: dict) -> str:
     rows = [row for row in summary["rows"].values() if "penalty" in row.get("wire", {})]
     if not rows:
         return ""
-    lines = ["Link penalty: each contender behind the link against its own run without it, in the same rounds:", "",
+    lines = ["Link penalty: each contender behind the link against its own run without it, in the same rounds:",
+             "",
              "| contender | step behind the link s | step without it s (range) | penalty (behind / without) "
              "| behind / max(without, wire limit) | host waited s, behind / without |",
              "|---|---|---|---|---|---|"]

@@ -73,10 +73,13 @@ class Measured:
     rates: OpRates
     slowdown: float = 1.0
     source: str = "probe"
+    engine_s: float = 0.0
+    """The engine's host work a step beyond its ops (hooks, buffer allocations),
+    as the probe measured it at one rank."""
 
     @property
     def step_overhead_s(self) -> float:
-        return self.rates.step_overhead_s * self.slowdown
+        return (self.rates.step_overhead_s + self.engine_s) * self.slowdown
 
     def seconds(self, op: Op) -> float:
         r = self.rates
@@ -96,4 +99,4 @@ class Measured:
                 f"{1 / self.rates.flop_s / 1e9 if self.rates.flop_s else 0:.1f} GFLOP/s on matmuls, "
                 f"{1 / self.rates.byte_s / 1e9 if self.rates.byte_s else 0:.2f} GB/s elsewhere; "
                 f"{self.rates.per_op_s * 1e6:.1f} us an op, {self.rates.step_overhead_s * 1e3:.0f} ms a step "
-                f"beyond the ops){slow}")
+                f"beyond the ops; the engine's host work {self.engine_s * 1e3:.0f} ms a step){slow}")

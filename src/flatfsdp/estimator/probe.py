@@ -57,6 +57,10 @@ class MachineProbe:
     """probe_comm's raw figures."""
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """The host's load average when the probe ran (others' jobs perturb it)."""
+    engine_step_s: dict[str, float] = field(default_factory=dict)
+    """By workload: the step of the model sharded by the engine at one rank
+    (nothing to communicate), timed: what the engine's host work beyond its
+    ops (hooks, buffer allocations) costs is that minus its ops' time."""
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("alone", "side_by_side")}
@@ -76,28 +80,32 @@ def loopback(machine: MachineProbe, computing: bool = False) -> Link:
 
 
 def probe(workloads: list[tuple[Callable, tuple]], *, ranks: int | None = None, steps: int = 3,
-          comm_mbytes: int = 128, threads_per_rank: int = 1, workload_s: float = 0.5) -> MachineProbe:
+          comm_mbytes: int = 128, threads_per_rank: int = 1, workload_s: float = 0.5,
+          engine_workloads: list[tuple[str, Callable, tuple]] = ()) -> MachineProbe:
     """Probe this machine for the training steps ``factory(*args)`` makes, for
     each ``(factory, args)`` of ``workloads`` (a factory returns a function making
     one step; module-level, so ranks can import it): the same model at several
     batch shapes, say. ``ranks``: side by side (default: one per core);
     ``comm_mbytes``, ``workload_s``: the buffer exchanged and the compute beside
-    it (probe_comm.py)."""
+    it (probe_comm.py); ``engine_workloads``: (name, factory, args) of the same
+    steps through the engine, timed at one rank (``MachineProbe.engine_step_s``)."""
     from flatfsdp.launch import launch
 
     cores = os.cpu_count() or 1
     ranks = ranks or cores
     load = os.getloadavg()
-    alone = launch(probe_rank, 1, workloads, steps, 0, workload_s, threads_per_rank=threads_per_rank)
+    alone = launch(probe_rank, 1, workloads, steps, 0, workload_s, list(engine_workloads),
+                   threads_per_rank=threads_per_rank)
     together = launch(probe_rank, ranks, workloads, steps, comm_mbytes, workload_s, threads_per_rank=threads_per_rank)
     return MachineProbe(alone=alone["rates"], side_by_side=together["rates"], ranks=ranks, cores=cores,
                         step_s={"alone": alone["step_s"], "side_by_side": together["step_s"]},
-                        load=load, **{k: together[k] for k in ("loopback_gbytes_s", "loopback_busy_gbytes_s",
+                        engine_step_s=alone["engine_step_s"], load=load, **{k: together[k] for k in ("loopback_gbytes_s", "loopback_busy_gbytes_s",
                                                                "latency_s", "cpu_s_per_byte", "sum_s_per_byte",
                                                                "measured")})
 
 
-def probe_rank(workloads: list[tuple[Callable, tuple]], steps: int, comm_mbytes: int, workload_s: float = 0.5) -> dict:
+def probe_rank(workloads: list[tuple[Callable, tuple]], steps: int, comm_mbytes: int, workload_s: float = 0.5,
+               engine_workloads: list[tuple[str, Callable, tuple]] = ()) -> dict:
     """One probe rank (what ``probe`` launches)."""
     device = torch.device(torch.accelerator.current_accelerator().type) if torch.accelerator.is_available() \
         else torch.device("cpu")
@@ -110,10 +118,25 @@ def probe_rank(workloads: list[tuple[Callable, tuple]], steps: int, comm_mbytes:
         overheads.append(rates_from(workload_timed, plain, per_op, steps).step_overhead_s)
     # Signatures carry shapes, so the workloads' ops stay apart; the model's own fixed cost is theirs on average.
     rates = replace(rates_from(timed, 0.0, per_op, steps), step_overhead_s=statistics.mean(overheads))
-    out = dict(rates=rates, step_s=step_s)
+    out = dict(rates=rates, step_s=step_s, engine_step_s={})
+    for name, factory, args in engine_workloads:
+        out["engine_step_s"][name] = _plain_steps(factory(*args), steps, device)
     if dist.get_world_size() > 1 and comm_mbytes:
         out.update(_comm(comm_mbytes << 20, device, workload_s))
     return out
+
+
+def _plain_steps(step: Callable[[], None], steps: int, device: torch.device) -> float:
+    """The median of ``steps`` steps (after two untimed ones)."""
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _time_steps(step: Callable[[], None], steps: int, device: torch.device) -> tuple[list, float]:

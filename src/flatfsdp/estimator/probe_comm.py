@@ -8,14 +8,18 @@ reduction then summing what arrived on the host. Those are timed here as
 point-to-point messages, and gloo's all-reduce as itself:
 
 * waiting: nothing else runs -- the rate a transfer reaches while the ranks
-  wait for it;
+  wait for it, and the CPU the rank spent on it (every thread's, kernel time
+  included: ``getrusage``), per byte sent. Where ranks fill the cores, that
+  CPU is compute lost: the workload below takes about that much longer
+  beside a transfer (about 0.55 ns a byte sent, either way, on the 2-core
+  host, 2026-11-27), but the CPU count is the steadier figure;
 * computing: the transfer posted, then a fixed matmul workload runs while a
-  thread notes when the transfer landed -- the rate while the ranks compute,
-  and how much longer the workload took than alone: compute lost per byte.
+  thread notes when the transfer landed -- the rate while the ranks compute.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import threading
 import time
@@ -23,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-_REPEATS = 3
+_REPEATS = 5
 
 
 def measure(nbytes: int, device: torch.device, workload_s: float = 0.5) -> dict:
@@ -45,16 +49,15 @@ def measure(nbytes: int, device: torch.device, workload_s: float = 0.5) -> dict:
 
     sent = {"exchange": chunk * 4 * len(peers), "all_reduce": 2 * (world - 1) * nbytes / world}
     workload = _workload(device, workload_s)
-    out = dict(waiting_gbytes_s={}, computing_gbytes_s={}, lost_s_per_byte={})
+    out = dict(waiting_gbytes_s={}, computing_gbytes_s={}, lost_s_per_byte={}, workload_lost_s_per_byte={})
     for kind, post in (("exchange", exchange), ("all_reduce", all_reduce)):
         _wait(post())  # connections made, buffers touched
-        idle = _median(lambda: _timed_wait(post))
+        waiting = [_timed_wait(post) for _ in range(_REPEATS)]
         loaded = [_while_computing(post, workload) for _ in range(_REPEATS)]
-        landed = statistics.median(t for t, _ in loaded)
-        lost = statistics.median(extra for _, extra in loaded)
-        out["waiting_gbytes_s"][kind] = sent[kind] / idle / 1e9
-        out["computing_gbytes_s"][kind] = sent[kind] / landed / 1e9
-        out["lost_s_per_byte"][kind] = max(0.0, lost) / sent[kind]
+        out["waiting_gbytes_s"][kind] = sent[kind] / statistics.median(t for t, _ in waiting) / 1e9
+        out["lost_s_per_byte"][kind] = statistics.median(cpu for _, cpu in waiting) / sent[kind]
+        out["computing_gbytes_s"][kind] = sent[kind] / statistics.median(t for t, _ in loaded) / 1e9
+        out["workload_lost_s_per_byte"][kind] = max(0.0, statistics.median(x for _, x in loaded)) / sent[kind]
     start = time.perf_counter()
     for p in peers:
         mine.add_(inbox[p])  # a reduce-scatter's sum, on the host's main thread
@@ -84,15 +87,17 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def _timed_wait(post) -> float:
+def _timed_wait(post) -> tuple[float, float]:
+    """(seconds, CPU seconds of this rank: every thread, kernel time included)."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_s()
     _wait(post())
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _cpu_s() - cpu
 
 
-def _median(run) -> float:
-    return statistics.median(run() for _ in range(_REPEATS))
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _while_computing(post, workload) -> tuple[float, float]:
