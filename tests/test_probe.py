@@ -10,7 +10,7 @@ import json
 import pytest
 
 from flatfsdp.bench.options import parse
-from flatfsdp.bench.prediction import probe_step
+from flatfsdp.bench.prediction import engine_overhead, engine_step, probe_step, workload_key
 from flatfsdp.estimator.compute_cost import Measured, OpRates, Throughput
 from flatfsdp.estimator.devices import DEVICES
 from flatfsdp.estimator.op_timer import RATE_MIN_BYTES
@@ -23,7 +23,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2"
 
 def test_a_probe_times_the_models_ops_and_what_moving_bytes_costs():
     cfg = parse(TINY)[0]
-    machine = probe([(probe_step, (cfg.as_dict(),))], steps=2, comm_mbytes=4, workload_s=0.05)
+    machine = probe([(probe_step, (cfg.as_dict(),))], steps=2, comm_mbytes=4, workload_s=0.05,
+                    engine_workloads=[(workload_key(cfg), engine_step, (cfg.as_dict(),))])
     for rates in (machine.alone, machine.side_by_side):
         names = {key[0] for key in rates.by_key}
         assert {"addmm", "mm", "_foreach_add_"} <= names  # forward, backward, AdamW's foreach step
@@ -32,6 +33,9 @@ def test_a_probe_times_the_models_ops_and_what_moving_bytes_costs():
     assert machine.ranks == 2 and machine.loopback_gbytes_s > 0 and machine.loopback_busy_gbytes_s > 0
     assert set(machine.cpu_s_per_byte) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert all(v >= 0 for v in machine.cpu_s_per_byte.values())
+    # The engine's own step at one rank, and what it costs beyond its ops (never negative).
+    assert set(machine.engine_step_s) == {workload_key(cfg)} and machine.engine_step_s[workload_key(cfg)] > 0
+    assert engine_overhead(cfg, machine) >= 0
     # The probe is kept as JSON (the bench's --probe-file) and comes back the same.
     again = MachineProbe.from_json(json.loads(json.dumps(machine.to_json())))
     assert again.side_by_side.by_key == machine.side_by_side.by_key and again.load == machine.load

@@ -94,12 +94,16 @@ def probe(workloads: list[tuple[Callable, tuple]], *, ranks: int | None = None, 
     cores = os.cpu_count() or 1
     ranks = ranks or cores
     load = os.getloadavg()
-    alone = launch(probe_rank, 1, workloads, steps, 0, workload_s, list(engine_workloads),
-                   threads_per_rank=threads_per_rank)
+    alone = launch(probe_rank, 1, workloads, steps, 0, workload_s, threads_per_rank=threads_per_rank)
+    # Each engine workload in fresh processes, as a training run starts: a heap warmed by
+    # another workload would hide the page faults of the engine's buffers.
+    engine = {name: launch(probe_rank, 1, [], steps, 0, workload_s, [(name, factory, args)],
+                           threads_per_rank=threads_per_rank)["engine_step_s"][name]
+              for name, factory, args in engine_workloads}
     together = launch(probe_rank, ranks, workloads, steps, comm_mbytes, workload_s, threads_per_rank=threads_per_rank)
     return MachineProbe(alone=alone["rates"], side_by_side=together["rates"], ranks=ranks, cores=cores,
                         step_s={"alone": alone["step_s"], "side_by_side": together["step_s"]},
-                        engine_step_s=alone["engine_step_s"], load=load, **{k: together[k] for k in ("loopback_gbytes_s", "loopback_busy_gbytes_s",
+                        engine_step_s=engine, load=load, **{k: together[k] for k in ("loopback_gbytes_s", "loopback_busy_gbytes_s",
                                                                "latency_s", "cpu_s_per_byte", "sum_s_per_byte",
                                                                "measured")})
 
@@ -117,7 +121,8 @@ def probe_rank(workloads: list[tuple[Callable, tuple]], steps: int, comm_mbytes:
         step_s.append(plain)
         overheads.append(rates_from(workload_timed, plain, per_op, steps).step_overhead_s)
     # Signatures carry shapes, so the workloads' ops stay apart; the model's own fixed cost is theirs on average.
-    rates = replace(rates_from(timed, 0.0, per_op, steps), step_overhead_s=statistics.mean(overheads))
+    overhead = statistics.mean(overheads) if overheads else 0.0
+    rates = replace(rates_from(timed, 0.0, per_op, steps), step_overhead_s=overhead)
     out = dict(rates=rates, step_s=step_s, engine_step_s={})
     for name, factory, args in engine_workloads:
         out["engine_step_s"][name] = _plain_steps(factory(*args), steps, device)
