@@ -232,3 +232,19 @@ def test_a_link_moves_at_the_rate_of_what_the_host_does():
     p = replay(StepTrace([issued(0, 1_000_000), op(1_000_000), log.Waited((0,))]), Clock(), TwoRates())
     assert p.step_s == pytest.approx(1.5)
     assert p.exposed == {"world": pytest.approx(0.5)}
+
+
+def test_estimate_time_flags():
+    from flatfsdp.cli.estimate_flags import DEVICE_NAMES, parse
+    from flatfsdp.cli.flags import UsageError
+    from flatfsdp.estimator.predict import parse_link
+
+    assert sorted(DEVICE_NAMES) == sorted(DEVICES)  # kept without torch, beside the code that uses them
+    args = parse(["--predict", "--device", "h200", "--inter-link", "2gbit", "--ranks-per-node", "4"])
+    assert (args.predict, args.device, args.ranks_per_node) == (True, "h200", 4)
+    assert parse_link(args.inter_link).gbytes_s == pytest.approx(0.25)
+    assert parse_link("ib-400").name == "InfiniBand 400 Gbit/s"
+    with pytest.raises(UsageError, match="--probe is what --predict computes with"):
+        parse(["--probe"])
+    with pytest.raises(ValueError, match="a preset"):
+        parse_link("fast")
