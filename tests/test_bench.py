@@ -33,7 +33,7 @@ ROW_FIELDS = {"step_s", "step_s_range", "tokens_per_s", "peak_mb", "peak_mb_rang
 @pytest.fixture(scope="module")
 def bench_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    bench_main(TINY + ["--contenders", "floor,fsdp2,flatfsdp", "--out", str(out)])
+    bench_main(TINY + ["--contenders", "floor,fsdp2,flatfsdp", "--out", str(out), "--predict"])
     return out
 
 
@@ -53,6 +53,22 @@ def test_each_run_left_its_record_as_it_ended(bench_out, results):
     again = json.loads(json.dumps(summarise(cfg, runs, notes), default=str))
     assert again["rows"]["flatfsdp"]["step_s"] == results["summary"]["rows"]["flatfsdp"]["step_s"]
     assert again["rows"]["fsdp2"]["share_over_floor"] == results["summary"]["rows"]["fsdp2"]["share_over_floor"]
+
+
+def test_predictions_stand_beside_the_runs_they_predict(results):
+    """--predict: the floor's and flatfsdp's steps predicted from the engine's
+    schedule and a probe of this machine made in the same session; not FSDP2's."""
+    rows, probe = results["summary"]["rows"], results["summary"]["probe"]
+    assert set(probe["cpu_s_per_byte"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert probe["ranks"] == 2 and probe["loopback_gbytes_s"] > 0 and probe["alone"]["by_key"]
+    assert "predicted" not in rows["fsdp2"]
+    for name in ("floor", "flatfsdp"):
+        predicted = rows[name]["predicted"]
+        assert predicted["step_s"] >= predicted["compute_s"] > 0
+        assert rows[name]["prediction_error"] == pytest.approx(predicted["step_s"] / rows[name]["step_s"] - 1)
+        # The traced matmuls of a step are the model's FLOPs (bench/flops.py counts them by formula).
+        assert predicted["model_flops"] == pytest.approx(rows[name]["step_flops"], rel=0.1)
+    assert rows["flatfsdp"]["predicted"]["busy"]["loopback"] > 0 and not rows["floor"]["predicted"]["busy"]
 
 
 def test_results_have_every_field(results):

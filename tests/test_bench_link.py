@@ -24,6 +24,7 @@ from flatfsdp.bench.link_counters import LinkProbe, NodeLayout, split_sent
 from flatfsdp.bench import netsim
 from flatfsdp.bench.netsim import Network, missing_for_link, require_link_support
 from flatfsdp.bench.options import BenchConfig, parse
+from flatfsdp.bench.report import summarise
 from flatfsdp.bench.wire import engine_directions, line_to_beat, parse_rate, wire_figures, wire_limit_s
 from flatfsdp.bench.wire_table import wire_table
 from flatfsdp.cli.flags import UsageError
@@ -116,6 +117,29 @@ def test_wire_limit_between_two_nodes_is_the_busier_direction():
     table = wire_table(BenchConfig(link="1gbit", nodes=2), summary)
     assert "| flatfsdp HSDP | 3.000 | 95.4 / 143.1 | 90.6 / 133.5 | 17.2 / 224.1 | 1.0 over dp_outer | 1.200 | " \
            "1.120 | 1.200 | 2.50 x |" in table
+
+
+def test_link_penalty_compares_each_contender_with_its_own_run_without_the_link():
+    with pytest.raises(UsageError, match="--link-penalty needs --link"):
+        _cfg("--link-penalty")
+    cfg = _cfg("--link", "2gbit", "--link-penalty", "--contenders", "flatfsdp", "--repeats", "2")
+    link = dict(nodes=1, iface_tx=[250e6], iface_rx=[250e6], engine_intra=[249e6], engine_inter=[0.0],
+                native_all_reduce={})
+
+    def run(behind: list[float], without: list[float]) -> dict:
+        plain = dict(contender="flatfsdp", step_times=without, exposed={"total": 0.01})
+        return dict(contender="flatfsdp", n_params=10, world=2, stage=3, step_times=behind, losses=[1.0],
+                    peak_bytes=[1, 1], memory_method="test", torch_bytes=None, engine_bytes=None, link=link,
+                    exposed={"total": 0.05}, no_link=plain)
+
+    summary = summarise(cfg, [run([2.2, 2.2, 2.3], [2.0, 2.1, 2.0]), run([2.1, 2.2, 2.2], [2.0, 2.0, 2.0])], {})
+    row = summary["rows"]["flatfsdp"]
+    assert row["no_link_step_s"] == pytest.approx(2.0) and row["no_link_range"] == [2.0, 2.0]
+    assert row["link_penalty"] == pytest.approx(2.2 / 2.0) == row["wire"]["penalty"]
+    assert row["wire"]["penalty_vs_wire"] == pytest.approx(2.2 / 2.0)  # the wire limit (1.0 s) is below the step
+    assert wire_figures(2.2, link, 100e6, None, 2.0)["penalty_vs_wire"] == pytest.approx(2.2 / 2.5)
+    table = wire_table(cfg, summary)
+    assert "| flatfsdp | 2.200 | 2.000 (2.000-2.000) | 1.100 x | 1.100 x | 0.050 / 0.010 |" in table
 
 
 # ---- the engine's account, split by node, on real ranks ------------------------------------
@@ -252,3 +276,26 @@ def test_a_failing_node_stops_the_other_and_a_slow_run_is_cut_off(tmp_path):
         _run_nodes([stuck, failing], logs, timeout_s=60)
     with pytest.raises(RankFailed, match="did not finish within 1 s"):
         _run_nodes([stuck], logs[:1], timeout_s=1)
+
+
+def test_the_cells_report_holds_each_prediction_to_ten_percent():
+    from flatfsdp.bench.cells import PENALTY, PREDICTED
+    from flatfsdp.bench.cells_report import penalty_rows, predicted_rows, write_report
+
+    # Every cell the issue lists, each a valid bench command line.
+    names = {c.name for c in PREDICTED}
+    assert {"loopback-small-1", "loopback-small-2", "loopback-small-4", "2gbit-large-int8w-bf16g",
+            "2nodes-1gbit-small"} <= names
+    for cell in PREDICTED + PENALTY:
+        parse(list(cell.argv))
+    row = dict(label="flatfsdp", step_s=1.0, step_s_range=[0.9, 1.1], exposed_s=0.2, prediction_error=0.08,
+               predicted=dict(step_s=1.08, exposed={"link": 0.15}))
+    far = dict(row, prediction_error=-0.2, predicted=dict(step_s=0.8, exposed={}))
+    penalty = dict(label="FSDP2", step_s=2.2, no_link_step_s=2.0,
+                   wire=dict(wire_s=1.0, penalty=1.1, penalty_vs_wire=1.1))
+    results = {"cell": dict(summary=dict(rows={"flatfsdp": row, "fsdp2": penalty, "other": far}),
+                            load=[[1.0, 0, 0], [2.0, 0, 0]])}
+    assert predicted_rows(results) == [
+        "| cell | flatfsdp | 1.000 (0.900-1.100) | 1.080 | +8.0% | yes | 0.150 / 0.200 | 1.00 -> 2.00 |",
+        "| cell | flatfsdp | 1.000 (0.900-1.100) | 0.800 | -20.0% | **no** | 0.000 / 0.200 | 1.00 -> 2.00 |"]
+    assert penalty_rows(results) == ["| cell | FSDP2 | 2.200 | 2.000 | 1.000 | 1.100 x | 1.100 x | 1.00 -> 2.00 |"]

@@ -54,7 +54,7 @@ def _maybe_compiled(model: nn.Module, compile_model: bool) -> nn.Module:
     return torch.compile(model) if compile_model else model
 
 
-def hybrid_mesh(model: nn.Module, cfg: BenchConfig, names: tuple[str, str]):
+def hybrid_mesh(device_type: str, cfg: BenchConfig, names: tuple[str, str]):
     """The (outer, shard) mesh of HSDP and HFSDP. Ranks are numbered node-major
     (torchrun), and the mesh is row-major, so a shard group is ranks
     [o * inner, (o + 1) * inner): with --nnodes 2 the outer dimension is the node
@@ -64,7 +64,7 @@ def hybrid_mesh(model: nn.Module, cfg: BenchConfig, names: tuple[str, str]):
     world, outer = dist.get_world_size(), cfg.nodes if cfg.nodes > 1 else 2
     if world % outer:
         raise ValueError(f"HSDP over {outer} replicas needs a world divisible by {outer}, got {world} ranks")
-    return init_device_mesh(next(model.parameters()).device.type, (outer, world // outer), mesh_dim_names=names)
+    return init_device_mesh(device_type, (outer, world // outer), mesh_dim_names=names)
 
 
 def setup_fsdp2(model: nn.Module, cfg: BenchConfig, compile_model: bool = False, hybrid: bool = False) -> Trainer:
@@ -73,7 +73,7 @@ def setup_fsdp2(model: nn.Module, cfg: BenchConfig, compile_model: bool = False,
 
     device_type = next(model.parameters()).device.type
     # A 2-D mesh is FSDP2's HSDP: replicate over dim 0, shard over dim 1.
-    mesh = (hybrid_mesh(model, cfg, ("replicate", "shard")) if hybrid
+    mesh = (hybrid_mesh(device_type, cfg, ("replicate", "shard")) if hybrid
             else init_device_mesh(device_type, (dist.get_world_size(),)))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=cfg.reduce_dtype) if cfg.bf16
               else MixedPrecisionPolicy())
@@ -86,16 +86,22 @@ def setup_fsdp2(model: nn.Module, cfg: BenchConfig, compile_model: bool = False,
     return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer), stage=3)
 
 
+FLATFSDP_MESH_NAMES = ("dp_outer", "dp_shard")
+
+
 def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None = None,
-                   compile_model: bool = False, outer: str | None = None) -> Trainer:
+                   compile_model: bool = False, outer: str | None = None, device_mesh=None) -> Trainer:
     """``outer``: None (one shard group of every rank), or the outer dimension's
-    ``outer_dp_sharding_strategy`` on the hybrid mesh: "no_shard" (HSDP), "optim" (HFSDP)."""
+    ``outer_dp_sharding_strategy`` on the hybrid mesh: "no_shard" (HSDP), "optim" (HFSDP).
+    ``device_mesh``: that mesh, made already (the estimator makes it outside its fake tensors)."""
     import flatfsdp
 
-    mesh = {}
+    mesh = {} if device_mesh is None else dict(device_mesh=device_mesh)
     if outer is not None:
-        mesh = dict(device_mesh=hybrid_mesh(model, cfg, ("dp_outer", "dp_shard")), dp_shard_dim="dp_shard",
-                    dp_outer_dim="dp_outer", outer_dp_sharding_strategy=outer)
+        if device_mesh is None:
+            device_mesh = hybrid_mesh(next(model.parameters()).device.type, cfg, FLATFSDP_MESH_NAMES)
+        mesh = dict(device_mesh=device_mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                    outer_dp_sharding_strategy=outer)
 
     # Megatron-FSDP style: the optimizer is built on the plain model, then bound.
     optimizer = build_optimizer(model.parameters(), cfg)
@@ -106,8 +112,10 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
     model, optimizer = flatfsdp.fully_shard(model, optimizer, fsdp_unit_modules=unit_classes(model, cfg.tied_unit),
                                             zero_dp_strategy=cfg.strategy, mixed_precision_policy=policy,
                                             **lowbit, **mesh)
-    # Row lookups read a ZeRO-3 shard gathered plainly (not low-bit codes).
-    schedule_embedding_units(model, rows_only=cfg.strategy == "optim_grads_params" and cfg.param_gather_dtype is None)
+    # Row lookups read a ZeRO-3 shard gathered plainly (not low-bit codes) from other ranks.
+    shard_ranks = dist.get_world_size() // (1 if outer is None else device_mesh.size(0))
+    schedule_embedding_units(model, rows_only=cfg.strategy == "optim_grads_params" and cfg.param_gather_dtype is None
+                             and shard_ranks > 1)
     if on_nonfinite is not None:
         flatfsdp.set_on_nonfinite(model, on_nonfinite)
     return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer),
@@ -124,6 +132,21 @@ def _full_bit(cfg: BenchConfig) -> BenchConfig:
     """The same run without low-bit weights or gradients (fp32 model: fp32 reduction)."""
     grads = cfg.grad_reduce_dtype if cfg.bf16 and cfg.grad_reduce_dtype != "int8" else "fp32"
     return replace(cfg, param_gather_dtype=None, grad_reduce_dtype=grads)
+
+
+FLATFSDP_VARIANTS = {
+    "flatfsdp": dict(), "flatfsdp-nocheck": dict(on_nonfinite="off"), "flatfsdp-fullbit": dict(full_bit=True),
+    "flatfsdp-compiled": dict(compile_model=True), "flatfsdp-hsdp": dict(outer="no_shard"),
+    "flatfsdp-hfsdp": dict(outer="optim"),
+}
+"""How each flatfsdp contender calls ``setup_flatfsdp`` (``full_bit``: on ``_full_bit(cfg)``)."""
+
+
+def setup_flatfsdp_variant(name: str, model: nn.Module, cfg: BenchConfig, device_mesh=None) -> Trainer:
+    options = dict(FLATFSDP_VARIANTS[name])
+    if options.pop("full_bit", False):
+        cfg = _full_bit(cfg)
+    return setup_flatfsdp(model, cfg, device_mesh=device_mesh, **options)
 
 
 def _flatfsdp_unavailable() -> str | None:
@@ -147,20 +170,21 @@ class Contender:
 REGISTRY = {c.name: c for c in (
     Contender("floor", "no-comm floor", setup_floor, bytes_source="none: no communication"),
     Contender("fsdp2", "FSDP2", setup_fsdp2),
-    Contender("flatfsdp", "flatfsdp", setup_flatfsdp, unavailable=_flatfsdp_unavailable,
-              bytes_source="engine account (flatfsdp.comm_account)"),
-    Contender("flatfsdp-nocheck", "flatfsdp, no NaN flag", lambda m, c: setup_flatfsdp(m, c, "off"),
+    Contender("flatfsdp", "flatfsdp", lambda m, c: setup_flatfsdp_variant("flatfsdp", m, c),
+              unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
+    Contender("flatfsdp-nocheck", "flatfsdp, no NaN flag", lambda m, c: setup_flatfsdp_variant("flatfsdp-nocheck", m, c),
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("flatfsdp-fullbit", "flatfsdp, no low-bit",
-              lambda m, c: setup_flatfsdp(m, _full_bit(c)),
+              lambda m, c: setup_flatfsdp_variant("flatfsdp-fullbit", m, c),
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("fsdp2-compiled", "FSDP2, torch.compile", lambda m, c: setup_fsdp2(m, c, compile_model=True)),
-    Contender("flatfsdp-compiled", "flatfsdp, torch.compile", lambda m, c: setup_flatfsdp(m, c, compile_model=True),
+    Contender("flatfsdp-compiled", "flatfsdp, torch.compile",
+              lambda m, c: setup_flatfsdp_variant("flatfsdp-compiled", m, c),
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("fsdp2-hsdp", "FSDP2-HSDP", lambda m, c: setup_fsdp2(m, c, hybrid=True)),
-    Contender("flatfsdp-hsdp", "flatfsdp HSDP", lambda m, c: setup_flatfsdp(m, c, outer="no_shard"),
+    Contender("flatfsdp-hsdp", "flatfsdp HSDP", lambda m, c: setup_flatfsdp_variant("flatfsdp-hsdp", m, c),
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
-    Contender("flatfsdp-hfsdp", "flatfsdp HFSDP", lambda m, c: setup_flatfsdp(m, c, outer="optim"),
+    Contender("flatfsdp-hfsdp", "flatfsdp HFSDP", lambda m, c: setup_flatfsdp_variant("flatfsdp-hfsdp", m, c),
               unavailable=_flatfsdp_unavailable, bytes_source="engine account (flatfsdp.comm_account)"),
     Contender("deepspeed", "DeepSpeed ZeRO-3", setup_deepspeed, unavailable=ds.unavailable_reason,
               preload=ds.preload),

@@ -4,7 +4,9 @@ record (``link_rank``). Fresh processes per run, as on loopback (``runner``).
 
 The floor has no communication in its timed steps, so the link could never
 slow it: it runs on plain loopback with the same number of ranks, where the
-report says so. The other contenders all run behind the link.
+report says so. The other contenders all run behind the link; with
+``--link-penalty`` each also runs on loopback right after, so its link
+penalty (behind / without) compares two runs of the same round.
 
 A run never hangs the bench: when either node's torchrun fails the other is
 stopped, and a run that outlives ``RUN_TIMEOUT_S`` is stopped too; each
@@ -59,8 +61,19 @@ class LinkRuns:
 
     def __call__(self, cfg: BenchConfig, name: str) -> dict:
         if name == "floor":
-            return launch(run_contender, cfg.nprocs * cfg.nodes, replace(cfg, link=None, nodes=1), name,
-                          threads_per_rank=cfg.threads_per_rank)
+            return self.on_loopback(cfg, name)
+        record = self.behind_link(cfg, name)
+        if cfg.link_penalty:  # the same contender without the link, in the same round
+            record["no_link"] = self.on_loopback(cfg, name)
+        return record
+
+    @staticmethod
+    def on_loopback(cfg: BenchConfig, name: str) -> dict:
+        """A run of the same ranks on plain loopback, unthrottled (one node)."""
+        return launch(run_contender, cfg.nprocs * cfg.nodes, replace(cfg, link=None, nodes=1), name,
+                      threads_per_rank=cfg.threads_per_rank)
+
+    def behind_link(self, cfg: BenchConfig, name: str) -> dict:
         self.runs += 1
         out = self.workdir / f"run{self.runs}.json"
         logs = [self.workdir / f"run{self.runs}.node{node}.log" for node in range(cfg.nodes)]

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from flatfsdp.bench import gpu_preset
+from flatfsdp.estimator.devices import DEVICES
 from flatfsdp.bench.wire import parse_rate
 from flatfsdp.cli import flags
 from flatfsdp.cli.flags import STRATEGIES, UsageError
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 PROG = "flatfsdp bench"
+PREDICT_DEVICES = tuple(sorted(DEVICES))
 
 CONTENDERS = ("floor", "fsdp2", "flatfsdp", "deepspeed")
 VARIANTS = ("flatfsdp-nocheck", "flatfsdp-fullbit", "fsdp2-compiled", "flatfsdp-compiled",
@@ -105,6 +107,16 @@ class BenchConfig:
     nodes: int = 1
     """Simulated nodes behind ``link`` (1 or 2), ``nprocs`` ranks each; HSDP's
     outer dimension is then the node dimension."""
+    link_penalty: bool = False
+    """With ``link``: each contender also runs on plain loopback, right after its
+    run behind the link, so the report can say what the link cost it."""
+    predict: str | None = None
+    """Predict each flatfsdp run's step (and the floor's) beside its measurement:
+    "probe" (this machine, probed before the runs) or a device of
+    flatfsdp.estimator.devices (its published throughput); None: no prediction."""
+    probe_file: str | None = None
+    """With ``predict="probe"``: a probe saved earlier (JSON, ``MachineProbe.to_json``)
+    instead of probing now (bench/cells.py probes once for all its cells)."""
     model: str = "gpt"
     """"gpt" (models/gpt.py), or "llama" (models/llama.py, ``--preset gpu``: Llama
     3.2 1B's ratios at ``layers`` x ``d_model``, ``heads`` query heads; ``context`` unused)."""
@@ -196,8 +208,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--link", default=None, metavar="RATE",
                    help="run the ranks behind one link throttled to RATE (tc units: 2gbit, 500mbit); needs root "
                         "(default: plain loopback)")
+    p.add_argument("--link-penalty", action="store_true",
+                   help="with --link: run each contender on plain loopback too, right after its run behind the link, "
+                        "and report its link penalty (step behind the link / step without it)")
     flags.add(p, "--nnodes", dest="nodes", default=d.nodes, choices=(1, 2),
               note="simulated, with --link: joined by the link, --nproc-per-node ranks each")
+    p.add_argument("--predict", nargs="?", const="probe", default=None, choices=("probe",) + PREDICT_DEVICES,
+                   help="print the estimator's predicted step beside each measured one: 'probe' (default: this "
+                        "machine, probed in the same session) or a device's published throughput")
+    p.add_argument("--probe-file", default=None, metavar="FILE",
+                   help="with --predict: a probe of this machine saved earlier (JSON) instead of probing now")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="directory for results.json and chart.png (default: print the tables only)")
     return p
@@ -247,6 +267,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         parse_rate(args.link)  # refuse a rate tc would misread before anything starts
     elif args.nodes > 1:
         raise SystemExit("--nnodes 2 needs --link RATE: the simulated nodes are joined by a throttled link")
+    if args.link_penalty and args.link is None:
+        raise SystemExit("--link-penalty needs --link RATE: it compares each run behind the link with one without")
     context = args.context or max(256, shape["seq_len"])
     if shape["seq_len"] > context:
         raise SystemExit(f"--seq-length {shape['seq_len']} exceeds --max-position-embeddings {context}")
@@ -260,4 +282,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        strategy=args.strategy, contenders=names,
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None,
-                       link=args.link, nodes=args.nodes, model=PRESET_MODELS.get(args.preset, "gpt"), **shape)
+                       link=args.link, nodes=args.nodes, model=PRESET_MODELS.get(args.preset, "gpt"),
+                       link_penalty=args.link_penalty, predict=args.predict or ("probe" if args.probe_file else None),
+                       probe_file=args.probe_file, **shape)

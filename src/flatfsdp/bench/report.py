@@ -57,7 +57,20 @@ def summarise_contender(name: str, runs: list[dict], cfg: BenchConfig) -> dict:
         comm=_comm(last, cfg), memory_method=last["memory_method"], n_params=last["n_params"],
         link=last.get("link"),
         exposed_s=_median_exposed(runs), exposed_by_kind=(last.get("exposed") or {}),
+        **_no_link(runs),
     )
+
+
+def _no_link(runs: list[dict]) -> dict:
+    """``--link-penalty``: the same contender's runs without the link, and the penalty."""
+    plain = [r["no_link"] for r in runs if r.get("no_link")]
+    if not plain:
+        return {}
+    medians = [statistics.median(r["step_times"]) for r in plain]
+    step_s = statistics.median(statistics.median(r["step_times"]) for r in runs)
+    no_link = statistics.median(medians)
+    return dict(no_link_step_s=no_link, no_link_range=[min(medians), max(medians)], link_penalty=step_s / no_link,
+                no_link_exposed_s=_median_exposed(plain))
 
 
 def _median_exposed(runs: list[dict]) -> float | None:
@@ -105,6 +118,7 @@ def summarise(cfg: BenchConfig, runs: list[dict], notes: dict[str, str]) -> dict
     if cfg.link:  # bytes per step are deterministic: the last run's, against the median step
         floor_s = rows["floor"]["step_s"] if "floor" in rows else None
         for row in rows.values():
-            row["wire"] = wire_figures(row["step_s"], row["link"], parse_rate(cfg.link), floor_s)
+            row["wire"] = wire_figures(row["step_s"], row["link"], parse_rate(cfg.link), floor_s,
+                                       row.get("no_link_step_s"))
     ref = _check_losses(rows, cfg.tolerance)
     return dict(rows=rows, notes=notes, loss_reference=ref, loss_tolerance=cfg.tolerance)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flatfsdp.bench.options import BenchConfig
+from flatfsdp.bench.prediction_table import prediction_table
 from flatfsdp.bench.report import KINDS, MB
 from flatfsdp.bench.wire_table import wire_table
 
@@ -112,4 +113,5 @@ def markdown(cfg: BenchConfig, summary: dict, world: int) -> str:
         notes.append(f"* model TFLOP/s: {rows[0]['step_flops']:.4g} FLOP per rank per step (bench/flops.py) "
                      "over the median step; share over floor: (step - floor's step) / step")
     link = ["", wire_table(cfg, summary)] if cfg.link else []
-    return "\n".join(parts + ([""] + notes if notes else []) + link)
+    predicted = prediction_table(summary)
+    return "\n".join(parts + ([""] + notes if notes else []) + link + (["", predicted] if predicted else []))

@@ -67,15 +67,21 @@ def engine_directions(link: dict) -> list[float] | None:
     return list(link["engine_inter"])
 
 
-def wire_figures(step_s: float, link: dict | None, rate_bytes_per_s: float, floor_s: float | None) -> dict:
+def wire_figures(step_s: float, link: dict | None, rate_bytes_per_s: float, floor_s: float | None,
+                 no_link_s: float | None = None) -> dict:
     """One contender's row behind the link. ``link`` None: a run on loopback
-    (the floor), whose line is its own time."""
+    (the floor), whose line is its own time. ``no_link_s``: the same
+    contender's step without the link (``--link-penalty``): the penalty is
+    step / no-link step, and against what the link must cost at least,
+    step / max(no-link step, wire limit)."""
     if link is None:
         line = step_s if floor_s is None else floor_s
         return dict(behind_link=False, line_s=line, step_vs_line=step_s / line)
     iface, engine = interface_directions(link), engine_directions(link)
     wire_s = wire_limit_s(iface, rate_bytes_per_s)
     line = line_to_beat(floor_s, wire_s)
+    penalty = {} if no_link_s is None else dict(penalty=step_s / no_link_s,
+                                                 penalty_vs_wire=step_s / max(no_link_s, wire_s))
     return dict(behind_link=True, iface_bytes=iface, engine_bytes=engine, wire_s=wire_s,
                 engine_wire_s=None if engine is None else wire_limit_s(engine, rate_bytes_per_s),
-                line_s=line, step_vs_line=step_s / line)
+                line_s=line, step_vs_line=step_s / line, **penalty)

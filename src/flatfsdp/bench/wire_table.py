@@ -49,6 +49,28 @@ def describe_link(cfg: BenchConfig) -> str:
             "HSDP/HFSDP: replicas across the nodes, shards within one.")
 
 
+def _waits(row: dict) -> str:
+    behind, without = row.get("exposed_s"), row.get("no_link_exposed_s")
+    return "--" if behind is None else f"{behind:.3f} / {without:.3f}" if without is not None else f"{behind:.3f}"
+
+
+def penalty_table(summary: dict) -> str:
+    """``--link-penalty``: what the link cost each contender, against its own step without it."""
+    rows = [row for row in summary["rows"].values() if "penalty" in row.get("wire", {})]
+    if not rows:
+        return ""
+    lines = ["Link penalty: each contender behind the link against its own run without it, in the same rounds:",
+             "",
+             "| contender | step behind the link s | step without it s (range) | penalty (behind / without) "
+             "| behind / max(without, wire limit) | host waited s, behind / without |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        lo, hi = row["no_link_range"]
+        lines.append(f"| {row['label']} | {row['step_s']:.3f} | {row['no_link_step_s']:.3f} ({lo:.3f}-{hi:.3f}) "
+                     f"| {row['wire']['penalty']:.3f} x | {row['wire']['penalty_vs_wire']:.3f} x | {_waits(row)} |")
+    return "\n".join(lines)
+
+
 def wire_table(cfg: BenchConfig, summary: dict) -> str:
     direction = "" if cfg.nodes == 1 else " (node 0 -> 1 / 1 -> 0)"
     lines = [describe_link(cfg), "",
@@ -69,4 +91,5 @@ def wire_table(cfg: BenchConfig, summary: dict) -> str:
               "* wire limit = crossing bytes of the busiest direction / rate; line = max(no-comm floor, wire limit "
               "from the interface); the floor has no communication in its timed steps, so it runs on loopback, "
               "unthrottled."]
-    return "\n".join(lines)
+    penalty = penalty_table(summary)
+    return "\n".join(lines + (["", penalty] if penalty else []))

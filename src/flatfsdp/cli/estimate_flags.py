@@ -9,6 +9,8 @@ from flatfsdp.cli import flags
 from flatfsdp.cli.flags import UsageError
 
 PROG = "flatfsdp estimate"
+DEVICE_NAMES = ("a100", "h100", "h200")
+"""flatfsdp.estimator.devices.DEVICES, named here without importing torch (a test holds them equal)."""
 BUILT_IN_MODELS = ("gpt-tiny", "gpt2-1.5b", "gpt2-124m", "gpt2-350m", "gpt2-774m", "llama-3-70b", "llama-3-8b")
 """flatfsdp.estimator.models.BUILT_IN, named here without importing torch (a test holds them equal)."""
 
@@ -67,6 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true",
                         help="also run each layout for real on this machine (gloo, one process per rank) and "
                              "print predicted against measured; world sizes up to 8")
+    time = parser.add_argument_group("time (docs/scale.md, 'Time on paper')")
+    time.add_argument("--predict", action="store_true",
+                      help="also predict each row's step time, the communication it leaves exposed per link and "
+                           "TFLOP/s per rank, from the row's own recorded schedule, and mark the layout to pick at "
+                           "each world size (the fastest that fits --memory-gib)")
+    time.add_argument("--device", default="h100", choices=DEVICE_NAMES,
+                      help="compute from this device's published throughput (default: h100)")
+    time.add_argument("--probe", action="store_true",
+                      help="compute from a probe of this machine instead (the model's unsharded step timed op by "
+                           "op) and its ranks on loopback (gloo): the model must run here")
+    time.add_argument("--ranks-per-node", type=int, default=8, metavar="N", help="ranks a node holds (default: 8)")
+    time.add_argument("--intra-link", default="nvlink-h100", metavar="LINK",
+                      help="the link inside a node: a preset (nvlink-h100, ib-400, ib-200, eth-100) or a rate in "
+                           "tc's units (900gbit) (default: nvlink-h100)")
+    time.add_argument("--inter-link", default="ib-400", metavar="LINK",
+                      help="each rank's link between nodes, likewise (default: ib-400; the bench's --link 2gbit works)")
+    time.add_argument("--memory-gib", type=float, default=80.0, metavar="GIB",
+                      help="memory a rank has: the pick must fit its peak (default: 80)")
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print JSON (default: a text table)")
     out.add_argument("--markdown", action="store_true", help="print a markdown table")
@@ -83,6 +103,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if args.check and max(args.world_sizes) > 8:
         raise UsageError("--check runs every rank on this machine: keep --world-sizes at 8 or below")
+    if args.ranks_per_node < 1:
+        raise UsageError("--ranks-per-node must be at least 1")
+    if args.probe and not args.predict:
+        raise UsageError("--probe is what --predict computes with: give --predict too")
     if args.grad_reduce_dtype == "fp32":
         args.grad_reduce_dtype = None  # the estimator's "no low-bit reduction"
     return args

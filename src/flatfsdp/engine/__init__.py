@@ -9,6 +9,7 @@ from flatfsdp.engine.layout.precision import MixedPrecisionPolicy
 from flatfsdp.engine.layout.strategy import ShardingStrategy
 from flatfsdp.engine.layout.device import copy_to_host
 from flatfsdp.engine.comm.comm_account import CommAccount, comm_account
+from flatfsdp.engine.comm import schedule_log
 from flatfsdp.engine.comm.fingerprint import ReplicaMismatch, verify_replicas
 from flatfsdp.engine.comm.watchdog import CollectiveTimeout
 from flatfsdp.engine.layout.switches import TIMEOUT_ENV
@@ -30,7 +31,7 @@ from flatfsdp.engine.front.finite_check import set_on_nonfinite
 from flatfsdp.engine.runtime.nonfinite_flag import MODE_ENV as NONFINITE_ENV, NonFiniteWarning
 
 __all__ = [
-    "CommAccount", "FSDPModule", "GradientReductionHandle", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
+    "CommAccount", "schedule_log", "FSDPModule", "GradientReductionHandle", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy", "ShardingStrategy", "comm_account", "fully_shard",
     "fully_shard_model", "fully_shard_optimizer", "persistent_buffer_bytes", "allocated_buffer_bytes", "reset_parameters",
     "persistent_bytes_by_role", "resizable_buffers", "held_tensors",
     # reliability (docs/reliability.md)

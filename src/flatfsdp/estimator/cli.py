@@ -20,26 +20,57 @@ from flatfsdp.estimator.rank_step import STRATEGIES, Layout
 
 def run(args) -> int:
     spec = resolve_model(args.model, units=args.units, recompute=args.recompute)
+    predict = getattr(args, "predict", False)
     rows = []
     for strategy in args.data_parallel_sharding_strategy:
         rows += estimate(spec, args.world_sizes, strategy=strategy, shard_size=args.hsdp_shard,
                          outer_sharding=args.hfsdp, tp=args.tensor_model_parallel_size, bf16=args.bf16,
                          reduce_bf16=args.grad_reduce_in_bf16, defer_reductions=args.defer_reductions,
                          param_gather_dtype=args.param_gather_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
-                         micro_batch=args.micro_batch_size, seq_len=args.seq_length)
+                         micro_batch=args.micro_batch_size, seq_len=args.seq_length, trace=predict)
     deepspeed = _deepspeed(spec, rows) if args.deepspeed else None
+    predictions, picks, assumptions = _time(args, rows) if predict else (None, {}, [])
     if args.json:
-        print(json.dumps(report.as_json(args.model, rows, deepspeed), indent=2))
+        print(json.dumps(report.as_json(args.model, rows, deepspeed, predictions, picks)
+                         | {"assumptions": assumptions}, indent=2))
     else:
         header, cells, unit = report.table_cells(rows, deepspeed)
+        if predictions is not None:
+            report.add_time_columns(header, cells, predictions, picks)
         table = report.markdown_table(header, cells) if args.markdown else report.text_table(header, cells)
         print(_title(args, rows[0][1].params))
         print(table)
         print(f"{unit} per rank; traffic in {unit} per step per rank (AG all-gather, RS reduce-scatter, AR "
               "all-reduce, over the mesh dimension named; 'world' spans every rank)")
+        for line in assumptions:
+            print(f"time: {line}")
     if args.check:
         return _check(args.model, [layout for layout, _ in rows])
     return 0
+
+
+def _time(args, rows: list) -> tuple[list, dict[int, int], list[str]]:
+    """Each row's predicted step, the pick per world size, and what the
+    prediction assumed (docs/scale.md, "Time on paper")."""
+    from flatfsdp.estimator.compute_cost import Throughput
+    from flatfsdp.estimator.devices import DEVICES
+    from flatfsdp.estimator.predict import Links, parse_link, probed, recommend, time_rows
+
+    if args.probe:
+        from flatfsdp.estimator.probe import probe
+        from flatfsdp.estimator.probe_steps import spec_step
+
+        machine = probe([(spec_step, (args.model, args.micro_batch_size, args.seq_length, args.bf16, args.recompute))])
+        compute, links = probed(machine)
+    else:
+        device = Throughput(DEVICES[args.device])
+        compute = lambda layout: device  # noqa: E731
+        links = Links(parse_link(args.intra_link), parse_link(args.inter_link), args.ranks_per_node)
+    predictions = time_rows(rows, compute, links)
+    picks = recommend(rows, predictions, args.memory_gib * 2**30)
+    fabric = links.fabric(rows[0][0])
+    return predictions, picks, [compute(rows[0][0]).describe(), fabric.describe(),
+                                f"pick: the fastest layout whose peak fits {args.memory_gib:g} GiB"]
 
 
 def _title(args, params: int) -> str:

@@ -11,25 +11,28 @@ from flatfsdp.estimator.models import ModelSpec, resolve_model
 from flatfsdp.estimator.rank_step import Layout, RankFigures, make_mesh, measure
 
 
-def estimate_layout(spec: ModelSpec, layout: Layout) -> RankFigures:
+def estimate_layout(spec: ModelSpec, layout: Layout, trace: bool = False) -> RankFigures:
     """One rank's figures for ``layout``: the model is built on the meta device,
-    sharded and stepped twice on fake tensors; the second step is metered."""
+    sharded and stepped twice on fake tensors; the second step is metered (and,
+    ``trace``, its schedule recorded for the time model)."""
     layout.check()
     with fake_world(layout.world) as fake_mode:
         _, mesh_kwargs = make_mesh(layout)  # real: a DeviceMesh reads its rank table
         with fake_mode:
-            return measure(spec, layout, mesh_kwargs, DispatchMeter())
+            return measure(spec, layout, mesh_kwargs, DispatchMeter(), trace=trace)
 
 
 def estimate(model: str | ModelSpec, world_sizes: Iterable[int], *, strategy: str = "optim_grads_params",
              shard_size: int | None = None, outer_sharding: bool = False, tp: int = 1, bf16: bool = False,
              reduce_bf16: bool = False, defer_reductions: bool = False, param_gather_dtype: str | None = None,
              grad_reduce_dtype: str | None = None, micro_batch: int = 1, seq_len: int = 1024,
-             units: list[str] | None = None, recompute: str = "none") -> list[tuple[Layout, RankFigures]]:
+             units: list[str] | None = None, recompute: str = "none", trace: bool = False
+             ) -> list[tuple[Layout, RankFigures]]:
     """Figures for each world size. ``shard_size``: HSDP, each replica's
     parameters sharded over that many data-parallel ranks; ``outer_sharding``:
     HFSDP; ``tp``: tensor-parallel ranks inside each data-parallel rank.
-    ``model``: a name `resolve_model` understands, or a spec."""
+    ``model``: a name `resolve_model` understands, or a spec. ``trace``: record
+    each row's step for the time model (``RankFigures.schedule``; predict.py)."""
     spec = model if isinstance(model, ModelSpec) else resolve_model(model, units=units, recompute=recompute)
     if tp > 1 and spec.parallelize is None:
         raise ValueError(f"{spec.name}: no tensor-parallel plan for this model")
@@ -47,5 +50,5 @@ def estimate(model: str | ModelSpec, world_sizes: Iterable[int], *, strategy: st
                         outer_sharding=outer_sharding and replicas > 1, bf16=bf16, reduce_bf16=reduce_bf16,
                         defer_reductions=defer_reductions, param_gather_dtype=param_gather_dtype,
                         grad_reduce_dtype=grad_reduce_dtype, micro_batch=micro_batch, seq_len=seq_len)
-        rows.append((layout, estimate_layout(spec, layout)))
+        rows.append((layout, estimate_layout(spec, layout, trace)))
     return rows

@@ -8,7 +8,8 @@ function on real ranks -- only the meter differs.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -19,6 +20,7 @@ import flatfsdp
 from flatfsdp.cli.flags import STRATEGIES
 from flatfsdp.estimator.live_bytes import distinct_storages
 from flatfsdp.estimator.models import ModelSpec
+from flatfsdp.estimator.schedule_trace import StepTrace, tracing
 from flatfsdp.models.gpt import lm_loss
 from flatfsdp.train.step import apply_step, forward_backward
 
@@ -94,9 +96,12 @@ class RankFigures:
     comm: dict[str, dict[str, int]] = field(default_factory=dict)
     """Bytes per step: {mesh dimension: {collective: bytes}}."""
     params: int = 0
+    schedule: StepTrace | None = field(default=None, repr=False, compare=False)
+    """The metered step's ops and collectives, in order (schedule_trace.py): what
+    the time model replays. Not part of the JSON figures."""
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "schedule"}
 
 
 class Meter(Protocol):
@@ -156,19 +161,23 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: ModelSpec, ba
     apply_step(model, optimizer, global_tokens=1.0, per_token=False, clip_grad=1.0)
 
 
-def measure(spec: ModelSpec, layout: Layout, mesh_kwargs: dict, meter: Meter, metered_steps: int = 1) -> RankFigures:
+def measure(spec: ModelSpec, layout: Layout, mesh_kwargs: dict, meter: Meter, metered_steps: int = 1,
+            trace: bool = False) -> RankFigures:
     """Shard, run a first step (lazy set-up, optimizer state), then meter the
-    next ``metered_steps``: the steady state every later step repeats."""
+    next ``metered_steps``: the steady state every later step repeats.
+    ``trace``: also record the last metered step's schedule (``RankFigures.schedule``)."""
     model, optimizer = shard(spec, layout, mesh_kwargs)
     batch = torch.randint(0, spec.vocab_size, (layout.micro_batch, layout.seq_len + 1))
     with meter:
         step(model, optimizer, spec, batch)
         state = _optimizer_state(optimizer)
         known = list(model.parameters()) + list(model.buffers()) + state + [batch] + flatfsdp.held_tensors(model)
+        schedule = None
         for _ in range(metered_steps):
             flatfsdp.comm_account().reset()
             with meter.step(known, flatfsdp.resizable_buffers(model)):
-                step(model, optimizer, spec, batch)
+                with tracing() if trace else contextlib.nullcontext() as schedule:
+                    step(model, optimizer, spec, batch)
     persistent = flatfsdp.persistent_bytes_by_role(model)
     persistent["optimizer state"] = _distinct_bytes(state)
     comm = {dim: {kind: entry["bytes"] for kind, entry in kinds.items()}
@@ -176,7 +185,7 @@ def measure(spec: ModelSpec, layout: Layout, mesh_kwargs: dict, meter: Meter, me
     return RankFigures(persistent=persistent, start=meter.start, peak=meter.peak_total,
                        engine_transient_peak=meter.engine_transient_peak,
                        activations_peak=meter.other_new_peak, comm=comm,
-                       params=sum(p.numel() for p in model.parameters()))
+                       params=sum(p.numel() for p in model.parameters()), schedule=schedule)
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

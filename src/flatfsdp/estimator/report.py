@@ -45,6 +45,21 @@ def table_cells(rows: list[tuple[Layout, RankFigures]], deepspeed: list[int | No
     return header, cells, unit
 
 
+def add_time_columns(header: list[str], cells: list[list[str]], predictions: list, picks: dict[int, int]) -> None:
+    """Append predicted step s, exposed communication per link (s) and TFLOP/s per
+    rank to each row; "<-" marks the row to pick at its world size."""
+    tiers = sorted({t for p in predictions for t in p.exposed})
+    header += ["step s"] + [f"exposed {t} s" for t in tiers] + ["TFLOP/s/rank", "pick"]
+    chosen = set(picks.values())
+    for index, (line, p) in enumerate(zip(cells, predictions)):
+        line += [_seconds(p.step_s)] + [_seconds(p.exposed.get(t, 0.0)) for t in tiers]
+        line += [f"{p.tflops:.3g}", "<-" if index in chosen else ""]
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g}" if value >= 0.0005 else "0"
+
+
 def text_table(header: list[str], cells: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in [header] + cells) for i in range(len(header))]
     fmt = lambda row: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -56,11 +71,14 @@ def markdown_table(header: list[str], cells: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
 
 
-def as_json(model: str, rows: list[tuple[Layout, RankFigures]], deepspeed: list[int | None] | None) -> dict:
+def as_json(model: str, rows: list[tuple[Layout, RankFigures]], deepspeed: list[int | None] | None,
+            predictions: list | None = None, picks: dict[int, int] | None = None) -> dict:
     out = []
     for index, (layout, figures) in enumerate(rows):
         entry = {"layout": layout.__dict__ | {"describe": layout.describe()}, **figures.to_json()}
         if deepspeed is not None:
             entry["deepspeed_model_states"] = deepspeed[index]
+        if predictions is not None:
+            entry["time"] = predictions[index].to_json() | {"pick": index in set((picks or {}).values())}
         out.append(entry)
     return {"model": model, "unit": "bytes per rank (comm: bytes per step per rank)", "rows": out}

@@ -49,10 +49,14 @@ class Pending:
     """FLATFSDP_TIMEOUT as the transport carries it (comm/watchdog.py)."""
     kind: str = ""
     """The collective's kind, under which the account books the time waited for it."""
+    _landed: list[int] = field(default_factory=list)
+    """Tickets of the stage last waited for (what a follow-up stage follows)."""
     _chain: list = field(default_factory=list)
     """(callbacks of the stage in flight, issue the next stage) pairs, in order."""
     followed: bool = False
     """A follow-up stage has been issued: the first stage's inputs are spent."""
+    tickets: list[int] = field(default_factory=list)
+    """The account's tickets of the collectives in flight (comm/schedule_log.py)."""
 
     @classmethod
     def joined(cls, stages: list["Pending"], **fields) -> "Pending":
@@ -64,7 +68,8 @@ class Pending:
         peers = (None if any(p.peers is None for p in stages) else [peer for p in stages for peer in p.peers])
         described = dict(group=first.group, label=first.label, timeout_s=first.timeout_s, kind=first.kind)
         return cls(works=[w for p in stages for w in p.works], then=[c for p in stages for c in p.then],
-                   events=[e for p in stages for e in p.events], peers=peers, **{**described, **fields})
+                   events=[e for p in stages for e in p.events], peers=peers,
+                   tickets=[t for p in stages for t in p.tickets], **{**described, **fields})
 
     def chain(self, issue: Callable[[], "Pending"]) -> None:
         """Once what is in flight lands and the callbacks added so far ran,
@@ -90,7 +95,9 @@ class Pending:
         for callback in callbacks:
             callback()
         following = issue()
+        comm_account().follows(following.tickets, self._landed)
         self.followed = True
+        self.tickets = following.tickets
         self.works, self.peers, self.group = following.works, following.peers, following.group
         self.events, self.timeout_s, self.kind = following.events, following.timeout_s, following.kind
         if self._chain:  # its own callbacks run before the stage after it
@@ -108,6 +115,8 @@ class Pending:
             callback()
 
     def _wait_works(self) -> None:
+        self._landed, self.tickets = self.tickets, []
+        comm_account().waiting(self._landed)
         works, self.works = self.works, []
         events, self.events = self.events, []
         if works or events:
@@ -127,13 +136,16 @@ def counted(kind: str, size: int, group: dist.ProcessGroup, transport: Transport
     """Count, label and launch one collective; ``issue(async_op)`` enqueues it.
     On a side stream the launch is synchronous *to that stream* (the host does
     not block) and an event marks its end."""
-    comm_account().add(kind, size, dim_name(group))
+    ticket = comm_account().add(kind, size, dim_name(group), group.size())
     with record_function(f"flatfsdp::{kind}"):
         if stream is None or stream.stream is None:
             pending = issue(async_op)
+            if not async_op:  # the host held until it landed
+                comm_account().waiting([ticket])
         else:
             pending, event = stream.launch(lambda: issue(False))
             pending.events = [event]
+        pending.tickets = [ticket]
         pending.label = f"({kind})"
         pending.timeout_s = transport.timeout_s
         pending.kind = kind

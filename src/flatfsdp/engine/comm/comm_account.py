@@ -4,12 +4,19 @@ per mesh dimension (``by_dim()``: HSDP's shard and outer traffic apart) --
 and the bytes of the point-to-point messages this rank posted, per peer
 (``sent_by_peer()``: what crosses a link between nodes, see Note [sent bytes]),
 and how long the host waited for collectives to land (``waited()``: the
-communication the schedule did not hide behind compute)."""
+communication the schedule did not hide behind compute). A listener
+(``listening``) also receives the schedule itself: each collective issued,
+posted and waited for, by ticket (comm/schedule_log.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
 from collections import defaultdict
+from typing import Callable, Iterator
+
+from flatfsdp.engine.comm.schedule_log import Follows, Issued, Posted, Waited
 
 
 class CommAccount:
@@ -22,13 +29,50 @@ class CommAccount:
         self._by_dim: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self._sent: dict[int, int] = defaultdict(int)
         self._waited: dict[str, float] = defaultdict(float)
+        self._tickets = itertools.count()
+        self._listener: Callable[[object], None] | None = None
 
-    def add(self, kind: str, nbytes: int, dim: str = "world") -> None:
-        """``dim``: the mesh dimension the collective ran over."""
+    def add(self, kind: str, nbytes: int, dim: str = "world", group_size: int = 0, paced: bool = False) -> int:
+        """``dim``: the mesh dimension the collective ran over; ``paced``: its
+        bytes are posted later, slice by slice (``posted``). Returns its ticket."""
         with self._lock:
             for entry in (self._counts[kind], self._by_dim[dim, kind]):
                 entry[0] += 1
                 entry[1] += nbytes
+            ticket = next(self._tickets)
+        self._tell(lambda: Issued(ticket, kind, nbytes, dim, group_size, paced))
+        return ticket
+
+    def posted(self, ticket: int, nbytes: int) -> None:
+        """A slice of ``nbytes`` of paced collective ``ticket`` went to the transport."""
+        self._tell(lambda: Posted(ticket, nbytes))
+
+    def waiting(self, tickets: list[int]) -> None:
+        """The host needs these collectives' results now (the schedule; ``add_wait`` times it)."""
+        if tickets:
+            self._tell(lambda: Waited(tuple(tickets)))
+
+    def follows(self, tickets: list[int], after: list[int]) -> None:
+        """``tickets`` were issued once ``after`` had landed (a chained stage)."""
+        if tickets and after:
+            self._tell(lambda: Follows(tuple(tickets), tuple(after)))
+
+    def _tell(self, record: Callable[[], object]) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener(record())
+
+    @contextlib.contextmanager
+    def listening(self, listener: Callable[[object], None]) -> Iterator[None]:
+        """Hand ``listener`` every schedule record (comm/schedule_log.py) until
+        the block ends; one listener at a time."""
+        if self._listener is not None:
+            raise RuntimeError("the communication account already has a schedule listener")
+        self._listener = listener
+        try:
+            yield
+        finally:
+            self._listener = None
 
     def add_sent(self, peer: int, nbytes: int) -> None:
         """A message of ``nbytes`` posted to global rank ``peer``."""

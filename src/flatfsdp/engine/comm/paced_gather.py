@@ -53,7 +53,8 @@ class PacedGather:
             self._pieces.append((sends, recvs))
         self.group, self.label, self.timeout_s = group, label, plan.transport.timeout_s
         self._works: list = []
-        comm_account().add("all_gather", p.numel * full.element_size(), dim_name(group))
+        self._ticket = comm_account().add("all_gather", p.numel * full.element_size(), dim_name(group), world,
+                                          paced=True)
 
     @property
     def posted_all(self) -> bool:
@@ -64,10 +65,13 @@ class PacedGather:
         if self._pieces:
             sends, recvs = self._pieces.pop(0)
             self._works += post_messages(sends, recvs, self.group)
+            # What the slice adds to the gather's buffer: every rank's part of its rows.
+            comm_account().posted(self._ticket, sum(t.numel() * t.element_size() for _, t in recvs)
+                                  + sum(t.numel() * t.element_size() for _, t in sends[:1]))
 
     def wait(self) -> None:
         while self._pieces:
             self.pump()
         works, self._works = self._works, []
         Pending([w for w, _ in works], peers=[peer for _, peer in works], group=self.group, label=self.label,
-                timeout_s=self.timeout_s, kind="all_gather").wait()  # timed, and a missing peer named
+                timeout_s=self.timeout_s, kind="all_gather", tickets=[self._ticket]).wait()  # timed, and a missing peer named

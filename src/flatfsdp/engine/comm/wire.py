@@ -11,6 +11,7 @@ gather                      what travels
 ==========================  ====================================================
 ``gather.GatherPlan``       the compute dtype, zero copy where it can
 ``block_gather.BlockScaledGather``  block-scaled 8-bit codes (layout/block_formats)
+``cast_gather.CastGather``  nothing: a shard group of one casts its main weights
 ``SubclassGatherPlan``      a tensor subclass's own all-gather inputs, as bytes
 ``user_comms.UserAllGather``  a user's FSDP2 ``AllGather`` around any of those
 ==========================  ====================================================

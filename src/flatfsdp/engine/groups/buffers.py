@@ -179,13 +179,28 @@ class GroupBuffers(GradientBuffers):
             # The main weights are a piece of the chunks: never the same tensor.
             self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
             self.main = self.home.empty(self.main_numel, main_dtype, device)
+        elif not place.keep_model_weights and self.holds_whole_group():
+            # Nothing travels (comm/cast_gather.py): in one dtype the gathered buffer *is* the
+            # main weights, never released; in two, each gather casts the main weights into it.
+            self.main = self.unsharded.data if same else self.home.empty(shard, main_dtype, device)
         elif not place.keep_model_weights:
             self.model_local = torch.empty(shard, dtype=compute_dtype, device=device)
             self.main = self.model_local if same else self.home.empty(shard, main_dtype, device)
         else:
             self.main = self.unsharded.data if same else self.home.empty(shard, main_dtype, device)
         # Replicated, S == N and the local layout is the unsharded one.
-        self.main_in_unsharded = place.keep_model_weights and same
+        self.main_in_unsharded = same and (place.keep_model_weights or self.holds_whole_group())
+
+    def holds_whole_group(self) -> bool:
+        """A shard group of one rank, main weights on the device: under ZeRO-3
+        nothing needs gathering, so no compute-dtype chunk is kept for a gather
+        to send (16 bytes a parameter in bf16, as FSDP2's, not 18)."""
+        return self.layout.world == 1 and not self.replicas.splits_main and self.home.shares_device_memory
+
+    @property
+    def gathered_is_main(self) -> bool:
+        """The gathered buffer is the main weights themselves: never released."""
+        return self.main_in_unsharded and not self.placement.keep_model_weights
 
     def refresh_early(self) -> None:
         """Start bringing the compute-dtype chunks up to date where the

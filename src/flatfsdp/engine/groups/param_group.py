@@ -85,7 +85,7 @@ class ParamGroup(GroupCore):
         b = self.buffers
         values = [local_value(p) for p in self.params]
         with torch.no_grad():
-            if self.placement.keep_model_weights:
+            if self.placement.keep_model_weights or b.main_in_unsharded:
                 for p, value in zip(self.layout.params, values):
                     views.unsharded_param(b.unsharded.data, p).copy_(value)
             if not b.main_in_unsharded:
@@ -110,7 +110,7 @@ class ParamGroup(GroupCore):
             if self.trainable:
                 grad = b.main_view(b.optimizer_grad(), index)
                 grad_dtensors.append(dtensor_over(grad, mesh, placements, **spec))
-        if not self.placement.keep_model_weights:
+        if not self.placement.keep_model_weights and not b.gathered_is_main:
             b.unsharded.free()
         return GroupGradients(b, self.slots, self.params, self.sharded_params, grad_dtensors, self.bound_optimizers,
                               faces=self.faces)
@@ -269,7 +269,7 @@ class ParamGroup(GroupCore):
         self._unsharded = False
         if self.buffers.gather_codec is not None:
             self.buffers.gather_codec.release(keep_rows=keep_codes)
-        if free_storage and not self.placement.keep_model_weights:
+        if free_storage and not self.placement.keep_model_weights and not self.buffers.gathered_is_main:
             self.buffers.unsharded.free()
 
     def use_unsharded_params(self) -> None:

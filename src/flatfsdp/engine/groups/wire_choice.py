@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from flatfsdp.engine.comm.block_gather import BlockScaledGather
 from flatfsdp.engine.comm.block_reduce import BlockScaledReduce
+from flatfsdp.engine.comm.cast_gather import CastGather
 from flatfsdp.engine.comm.gather import GatherPlan
 from flatfsdp.engine.comm.wire import GatherCodec, PlainReduce, ReduceCodec
 from flatfsdp.engine.layout.block_formats import BlockFormat
@@ -57,6 +58,8 @@ class WireChoice:
                                      replica_gather=b.replicas.code_gather(b.main),
                                      keep_codes=not place.keep_model_weights)
         kept = place.keep_model_weights
+        if not kept and b.model_local is None:  # the chunk is the whole group: nothing travels
+            return CastGather(b.layout, b.unsharded.data, b.main_chunk, self.transport, in_place=b.gathered_is_main)
         return GatherPlan(b.layout, b.index, b.unsharded.data, b.unsharded.data if kept else b.model_local,
                           source_in_unsharded=kept, transport=self.transport, refresh=b.refresh_gather_source,
                           refresh_early=b.refresh_early)

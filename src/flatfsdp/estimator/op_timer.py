@@ -1,0 +1,89 @@
+"""Every op of a real step, timed: what a probe of this machine learns about
+a model's compute (compute_cost.Measured reads it back).
+
+A dispatch mode runs each op between two clock reads (on an accelerator,
+between two synchronisations -- slow, but each op's own time). Each op
+also costs its dispatch (a trivial op's time, measured apart); the step run
+without the mode, minus the ops and their dispatch, is the model's own
+Python and autograd bookkeeping, a fixed cost a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flatfsdp.estimator.compute_cost import OpRates
+from flatfsdp.estimator.schedule_trace import describe_op, is_compute
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+class OpTimer(TorchDispatchMode):
+    """Times every compute op run inside it: ``timed`` holds (Op, seconds)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.timed: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not is_compute(func):
+            return func(*args, **kwargs)
+        _sync(self.device)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        _sync(self.device)
+        took = time.perf_counter() - start
+        self.timed.append((describe_op(func, args, kwargs, out, ""), took))
+        return out
+
+
+def dispatch_seconds(device: torch.device, repeats: int = 5000) -> float:
+    """What dispatching one trivial op costs here (a view and an in-place add, averaged)."""
+    t = torch.ones(16, device=device)
+    for _ in range(200):
+        t.view(-1).add_(0)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        t.view(-1).add_(0)
+    _sync(device)
+    return (time.perf_counter() - start) / (2 * repeats)
+
+
+RATE_MIN_FLOPS = 10_000_000
+RATE_MIN_BYTES = 256 << 10
+"""Ops this large make the rates an unmeasured op's work is priced at: in a
+smaller one the fixed cost of running it outweighs its work."""
+
+
+def rates_from(timed: list, plain_step_s: float, per_op_s: float, steps: int = 1) -> OpRates:
+    """``OpRates`` from ``steps`` timed steps, the same step's time unobserved
+    and what an op's dispatch costs."""
+    by_key: dict[tuple, list[float]] = defaultdict(list)
+    work: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    flops, flop_time, nbytes, byte_time = 0, 0.0, 0, 0.0
+    for op, took in timed:
+        by_key[op.key].append(took)
+        if op.flops < RATE_MIN_FLOPS and op.nbytes < RATE_MIN_BYTES:
+            continue  # a rate of work, not of fixed costs
+        entry = work[op.name]
+        entry[0] += took
+        entry[1] += op.flops or op.nbytes
+        if op.flops:
+            flops, flop_time = flops + op.flops, flop_time + took
+        else:
+            nbytes, byte_time = nbytes + op.nbytes, byte_time + took
+    own = sum(took for _, took in timed)
+    return OpRates(by_key={k: sum(v) / len(v) for k, v in by_key.items()},
+                   per_unit={name: t / w for name, (t, w) in work.items() if w}, per_op_s=per_op_s,
+                   step_overhead_s=max(0.0, plain_step_s - (own + per_op_s * len(timed)) / steps),
+                   flop_s=flop_time / flops if flops else 0.0, byte_s=byte_time / nbytes if nbytes else 0.0)

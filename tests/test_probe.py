@@ -1,0 +1,77 @@
+"""The probe of this machine (flatfsdp.estimator.probe) and how its figures
+price the ops of a sharded step. No time is asserted: what a probe measures
+varies; what is deterministic is which ops it saw, that every kind of
+collective got a cost, and the pricing arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flatfsdp.bench.options import parse
+from flatfsdp.bench.prediction import engine_overhead, engine_step, probe_step, workload_key
+from flatfsdp.estimator.compute_cost import Measured, OpRates, Throughput
+from flatfsdp.estimator.devices import DEVICES
+from flatfsdp.estimator.op_timer import RATE_MIN_BYTES
+from flatfsdp.estimator.probe import MachineProbe, probe
+from flatfsdp.estimator.schedule_trace import Op
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--vocab-size", "256",
+        "--max-position-embeddings", "32", "--seq-length", "32", "--micro-batch-size", "2"]
+
+
+def test_a_probe_times_the_models_ops_and_what_moving_bytes_costs():
+    cfg = parse(TINY)[0]
+    machine = probe([(probe_step, (cfg.as_dict(),))], steps=2, comm_mbytes=4, workload_s=0.05,
+                    engine_workloads=[(workload_key(cfg), engine_step, (cfg.as_dict(),))])
+    for rates in (machine.alone, machine.side_by_side):
+        names = {key[0] for key in rates.by_key}
+        assert {"addmm", "mm", "_foreach_add_"} <= names  # forward, backward, AdamW's foreach step
+        assert all(t > 0 for t in rates.by_key.values())
+        assert rates.per_op_s > 0
+    assert machine.ranks == 2 and machine.loopback_gbytes_s > 0 and machine.loopback_busy_gbytes_s > 0
+    assert set(machine.cpu_s_per_byte) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert all(v >= 0 for v in machine.cpu_s_per_byte.values())
+    # The engine's own step at one rank, and what it costs beyond its ops (never negative).
+    assert set(machine.engine_step_s) == {workload_key(cfg)} and machine.engine_step_s[workload_key(cfg)] > 0
+    assert engine_overhead(cfg, machine) >= 0
+    # The probe is kept as JSON (the bench's --probe-file) and comes back the same.
+    again = MachineProbe.from_json(json.loads(json.dumps(machine.to_json())))
+    assert again.side_by_side.by_key == machine.side_by_side.by_key and again.load == machine.load
+
+
+def test_an_op_is_priced_by_its_signature_then_its_name_then_its_class():
+    rates = OpRates(by_key={("mm", ((4, 4), "float32")): 0.5}, per_unit={"add": 1e-9},
+                    per_op_s=0.01, flop_s=1e-6, byte_s=2e-9)
+    measured = Measured(rates, slowdown=2.0)
+    known = Op("mm", 128, 96, ("mm", ((4, 4), "float32")), "forward")
+    assert measured.seconds(known) == pytest.approx((0.5 + 0.01) * 2)
+    by_name = Op("add", 0, 1000, ("add", ((250,), "float32")), "engine")
+    assert measured.seconds(by_name) == pytest.approx((1000 * 1e-9 + 0.01) * 2)
+    matmul = Op("bmm", 1000, 100, ("bmm",), "forward")
+    assert measured.seconds(matmul) == pytest.approx((1000 * 1e-6 + 0.01) * 2)
+    other = Op("round", 0, 500, ("round",), "engine")
+    assert measured.seconds(other) == pytest.approx((500 * 2e-9 + 0.01) * 2)
+    assert measured.seconds(Op("view", 0, 0, ("view",), "engine")) == pytest.approx(0.01 * 2)
+
+
+def test_small_ops_do_not_set_a_rate_for_large_ones():
+    """A scalar division costs its fixed cost; a buffer's division is priced by work."""
+    from flatfsdp.estimator.op_timer import rates_from
+
+    tiny = Op("div", 0, 16, ("div", ((1,), "float32")), "forward")
+    large = Op("add", 0, RATE_MIN_BYTES, ("add", ((RATE_MIN_BYTES // 4,), "float32")), "forward")
+    rates = rates_from([(tiny, 1e-5), (large, 1e-4)], plain_step_s=0.0, per_op_s=1e-6)
+    assert "div" not in rates.per_unit
+    assert rates.per_unit["add"] == pytest.approx(1e-4 / RATE_MIN_BYTES)
+    assert rates.byte_s == pytest.approx(1e-4 / RATE_MIN_BYTES)
+
+
+def test_a_device_roofline_takes_the_longer_of_flops_and_bytes():
+    h100 = Throughput(DEVICES["h100"])
+    matmul = Op("mm", 10**12, 10**6, ("mm", ((1, 1), "bfloat16")), "forward")
+    assert h100.seconds(matmul) == pytest.approx(1e12 / (989e12 * 0.7))
+    copy = Op("copy_", 0, 10**9, ("copy_", ((1,), "bfloat16")), "engine")
+    assert h100.seconds(copy) == pytest.approx(1e9 / (3350e9 * 0.8))
+    assert h100.seconds(Op("add", 0, 8, ("add", ((1,), "float32")), "forward")) == pytest.approx(4e-6)
