@@ -56,7 +56,8 @@ def temp_path(directory: str, token: str) -> str:
     return f"{directory}{_TMP}{token}"
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flush a file, or a folder's entries (a rename is durable only once its folder is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -94,17 +95,17 @@ def publish(tmp: str, directory: str, token: str, *, remove_old: bool = True) ->
     The checkpoint it replaces is deleted, or with ``remove_old=False`` left
     under a leftover name (``DIR.tmp-``/``DIR.old-<token>``), returned, for the
     caller to delete: a crash before that leaves debris the next save removes."""
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     parent = os.path.dirname(directory)
     if os.path.exists(directory):
         old = _swap_in(tmp, directory, token)
-        _fsync_dir(parent)
+        fsync_path(parent)
         if not remove_old:
             return old
         shutil.rmtree(old)
     else:
         os.rename(tmp, directory)
-        _fsync_dir(parent)
+        fsync_path(parent)
     return None
 
 
@@ -122,7 +123,7 @@ def recover(directory: str) -> str | None:
         if candidates:
             newest = max(candidates, key=lambda p: os.path.getmtime(os.path.join(p, MANIFEST_NAME)))
             os.rename(newest, directory)
-            _fsync_dir(os.path.dirname(directory))
+            fsync_path(os.path.dirname(directory))
             return newest
     return None
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 
 from flatfsdp.checkpoint.errors import CheckpointError
+from flatfsdp.checkpoint.export_folder import building, read_config_json
 from flatfsdp.checkpoint.export import DEFAULT_BUDGET, _load_batch, _select, _write_safetensors
 from flatfsdp.checkpoint.hf_companions import write_companions, write_json
 from flatfsdp.checkpoint.lora_export import LORA_CONFIG_ENTRY, export_lora_hf
@@ -37,12 +36,7 @@ _DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch
 
 def _read_config(reader, metadata, config) -> dict:
     if config is not None:
-        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: not a readable config.json ({exc})") from None
+        return read_config_json(config)
     if CONFIG_ENTRY not in metadata.state_dict_metadata:
         raise CheckpointError(f"{reader.path} holds no {CONFIG_ENTRY!r} entry (saved by flatfsdp train --hf-model): "
                               "pass the model's config.json (--config)")
@@ -112,9 +106,7 @@ def export_hf(directory, out_dir, *, config=None, prefix: str | None = None, max
     shards = _shards(tensors, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
-    partial = f"{out_dir}.partial-{uuid.uuid4().hex[:8]}"
-    os.makedirs(partial)
-    try:
+    with building(out_dir) as partial:
         for name, members in zip(names, shards):
             _write_safetensors(os.path.join(partial, name), reader, members, budget_bytes)
         total = sum(_nbytes(c) for c in tensors)
@@ -124,10 +116,4 @@ def export_hf(directory, out_dir, *, config=None, prefix: str | None = None, max
             write_json(os.path.join(partial, "model.safetensors.index.json"), index)
         write_json(os.path.join(partial, "config.json"), hf_config)
         companions = write_companions(reader, metadata, partial, hf_config)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty, checked above
-        os.rename(partial, out_dir)
-    finally:
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
     return {"tensors": len(tensors), "bytes": total, "files": len(shards), **companions}

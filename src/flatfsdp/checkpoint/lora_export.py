@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import uuid
 
 import torch
 
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import _load_batch, _select
+from flatfsdp.checkpoint.export_folder import building
 from flatfsdp.checkpoint.hf_companions import write_companions, write_json
 from flatfsdp.checkpoint.safetensors_format import SafetensorsStreamWriter
 
@@ -112,18 +111,10 @@ def export_lora_hf(reader, metadata, out_dir: str, hf_config: dict, prefix: str,
     if len(dtypes) == 1 and next(iter(dtypes)) in ("float32", "bfloat16", "float16"):
         hf_config["dtype"] = dtypes.pop()
         hf_config.pop("torch_dtype", None)
-    partial = f"{out_dir}.partial-{uuid.uuid4().hex[:8]}"
-    os.makedirs(partial)
-    try:
+    with building(out_dir) as partial:
         total = _write_merged(os.path.join(partial, "model.safetensors"), reader, metadata.state_dict_metadata,
                               merged, _scale(config))
         write_json(os.path.join(partial, "config.json"), hf_config)
         companions = write_companions(reader, metadata, partial, hf_config)
         _write_adapters(os.path.join(partial, "adapter"), reader, adapters, config)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty, checked by the caller
-        os.rename(partial, out_dir)
-    finally:
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
     return {"tensors": len(merged), "bytes": total, "files": 1, "adapters": len(adapters), **companions}

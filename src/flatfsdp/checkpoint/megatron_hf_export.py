@@ -9,14 +9,12 @@ byte is written. The folder appears complete or not at all, as export_hf's.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import uuid
 
 from flatfsdp.checkpoint import megatron_gpt_hf as gpt
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.export import _load_batch
+from flatfsdp.checkpoint.export_folder import building, read_config_json
 from flatfsdp.checkpoint.foreign_read import read_objects
 from flatfsdp.checkpoint.hf_companions import write_companions, write_json
 from flatfsdp.checkpoint.inert_pickle import fields
@@ -39,12 +37,7 @@ def _config(opened, config, shapes: dict) -> dict:
             raise CheckpointError(f"{opened.directory} holds no run arguments saying the number of attention heads: "
                                   "pass GPT-2's config.json (--config)")
         return gpt.gpt2_config(args, shapes)
-    path = os.path.join(config, "config.json") if os.path.isdir(config) else config
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable config.json ({exc})") from None
+    return read_config_json(config)
 
 
 def _plan(opened, tensors, config: dict) -> list[tuple]:
@@ -74,9 +67,7 @@ def export_megatron_gpt(opened, tensors, out_dir: str, config=None) -> dict:
     dtypes = {str(md.properties.dtype) for _k, _h, md, _s in plan}
     if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPES:
         hf_config["torch_dtype"] = _DTYPES[dtypes.pop()]
-    partial = f"{out_dir}.partial-{uuid.uuid4().hex[:8]}"
-    os.makedirs(partial)
-    try:
+    with building(out_dir) as partial:
         with open(os.path.join(partial, "model.safetensors"), "wb") as f:
             writer = SafetensorsStreamWriter(f, [(hf, md.properties.dtype, shape) for _k, hf, md, shape in plan])
             for key, hf, md, _shape in plan:
@@ -87,11 +78,5 @@ def export_megatron_gpt(opened, tensors, out_dir: str, config=None) -> dict:
             os.fsync(f.fileno())
         write_json(os.path.join(partial, "config.json"), hf_config)
         companions = write_companions(opened.reader, opened.reader.read_metadata(), partial, hf_config)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty, checked by the caller
-        os.rename(partial, out_dir)
-    finally:
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
     total = sum(md.size.numel() * md.properties.dtype.itemsize for _k, _h, md, _s in plan)
     return {"tensors": len(plan), "bytes": total, "files": 1, "architecture": "GPT2LMHeadModel", **companions}

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from flatfsdp.checkpoint import inert_pickle, megatron_layout, torch_dist_plan
+from flatfsdp.checkpoint.atomic import fsync_path
 from flatfsdp.checkpoint.errors import CheckpointError
 from flatfsdp.checkpoint.foreign_read import ForeignCheckpoint
 from flatfsdp.checkpoint.manifest import write_manifest
@@ -57,14 +58,6 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(inert_pickle.dumps(obj))
         return obj
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_target(out: str, source: megatron_layout.CheckpointPath) -> None:
@@ -95,7 +88,7 @@ def _write(source: ForeignCheckpoint, plan: torch_dist_plan.Plan, partial: str) 
         f.flush()
         os.fsync(f.fileno())
     for path in (folder, partial):
-        _fsync_path(path)
+        fsync_path(path)
     return name
 
 
@@ -127,7 +120,7 @@ def convert_torch_dist_to_fsdp_dtensor(source, out, *, transformer_impl: str | N
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.rename(partial, out)
-        _fsync_path(os.path.dirname(out))
+        fsync_path(os.path.dirname(out))
     finally:
         if os.path.exists(partial):
             shutil.rmtree(partial)
