@@ -213,11 +213,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "and report its link penalty (step behind the link / step without it)")
     flags.add(p, "--nnodes", dest="nodes", default=d.nodes, choices=(1, 2),
               note="simulated, with --link: joined by the link, --nproc-per-node ranks each")
-    p.add_argument("--predict", nargs="?", const="probe", default=None, choices=("probe",) + PREDICT_DEVICES,
-                   help="print the estimator's predicted step beside each measured one: 'probe' (default: this "
-                        "machine, probed in the same session) or a device's published throughput")
+    flags.add(p, "--predict", note="of the floor and every flatfsdp run, printed beside each measured step")
+    p.add_argument("--predict-device", default=None, choices=PREDICT_DEVICES,
+                   help="with --predict: compute from this device's published throughput (default: a probe of "
+                        "this machine, taken in the same session)")
     p.add_argument("--probe-file", default=None, metavar="FILE",
-                   help="with --predict: a probe of this machine saved earlier (JSON) instead of probing now")
+                   help="with --predict: a probe of this machine saved earlier (JSON) (default: probe now)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="directory for results.json and chart.png (default: print the tables only)")
     return p
@@ -283,5 +284,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None,
                        link=args.link, nodes=args.nodes, model=PRESET_MODELS.get(args.preset, "gpt"),
-                       link_penalty=args.link_penalty, predict=args.predict or ("probe" if args.probe_file else None),
+                       link_penalty=args.link_penalty, predict=_prediction(args),
                        probe_file=args.probe_file, **shape)
+
+
+def _prediction(args: argparse.Namespace) -> str | None:
+    """What the prediction computes with: "probe" (this machine) or a device
+    name; None: no prediction. A device or a probe file implies --predict."""
+    if not (args.predict or args.predict_device or args.probe_file):
+        return None
+    if args.predict_device and args.probe_file:
+        raise SystemExit("--predict-device and --probe-file are two sources of compute times: give one")
+    return args.predict_device or "probe"

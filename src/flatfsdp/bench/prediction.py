@@ -5,8 +5,8 @@ the measurement: the estimator's time model (flatfsdp.estimator.timeline) on
   the floor's trainer), recorded as rank 0 of a fake world of the run's size;
 * a probe of this machine, taken in the same session before the runs: the
   bench model's ops timed, the cost of moving bytes between ranks
-  (``--predict probe``); or a named device's published throughput
-  (``--predict h100``);
+  (``--predict``); or a named device's published throughput
+  (``--predict-device h100``);
 * the run's links: loopback as probed, the ``--link`` token bucket, the two
   simulated nodes' egress.
 

@@ -70,10 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run each layout for real on this machine (gloo, one process per rank) and "
                              "print predicted against measured; world sizes up to 8")
     time = parser.add_argument_group("time (docs/scale.md, 'Time on paper')")
-    time.add_argument("--predict", action="store_true",
-                      help="also predict each row's step time, the communication it leaves exposed per link and "
-                           "TFLOP/s per rank, from the row's own recorded schedule, and mark the layout to pick at "
-                           "each world size (the fastest that fits --memory-gib)")
+    flags.add(time, "--predict", note="for each row: its step time, the communication it leaves exposed per "
+              "link and TFLOP/s per rank, and the layout to pick at each world size (the fastest that fits "
+              "--memory-gib)")
     time.add_argument("--device", default="h100", choices=DEVICE_NAMES,
                       help="compute from this device's published throughput (default: h100)")
     time.add_argument("--probe", action="store_true",

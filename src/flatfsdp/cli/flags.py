@@ -93,6 +93,8 @@ SHARED: dict[str, Flag] = {
                                 ("choices", ("none", "reentrant", "non_reentrant")))),
     "--lr": Flag("AdamW learning rate", kwargs=(("type", float), ("metavar", "X"))),
     "--seed": Flag("seed of the initial weights and of the data", kwargs=(("type", int), ("metavar", "N"))),
+    "--predict": Flag("also predict the step time from the engine's own schedule, recorded in a fake world of the "
+                      "run's size (docs/scale.md, 'Time on paper')", kwargs=(("action", "store_true"),)),
 }
 
 

@@ -30,6 +30,8 @@ class CastGather:
     """The gather codec (comm/wire.py) of a group held whole by this rank."""
 
     travels_alone = True
+    whole_chunk = True
+    """What callers ask of a codec: is every byte it gathers already on this rank."""
 
     def __init__(self, layout: GroupLayout, unsharded: torch.Tensor, main_chunk: Callable[[int], torch.Tensor],
                  transport: Transport, in_place: bool = False):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -36,6 +36,17 @@ def python_side_kept(params: list[nn.Parameter]) -> Iterator[None]:
             reswap(param, cls)
             for name, value in attributes.items():
                 vars(param).setdefault(name, value)
+
+
+def convert_sharded(state, module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
+    """Run ``module``'s own ``_apply`` (``apply``) on its sharded parameters:
+    the unit resharded first, what torch's swap would drop kept, and the
+    converted values taken into the unit's groups after."""
+    state.reshard()
+    with python_side_kept([p for g in state.groups for p in g.sharded_params]):
+        ret = apply()
+    adopt_converted(state, module)
+    return ret
 
 
 def adopt_converted(state, module: nn.Module) -> None:

@@ -16,11 +16,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from flatfsdp.engine.runtime.class_swap import swap_class
-from flatfsdp.engine.runtime.conversion import adopt_converted, python_side_kept
+from flatfsdp.engine.runtime.conversion import convert_sharded
 from flatfsdp.engine.runtime.torch_fsdp2_view import Fsdp2StateView, file_torch_state
 from flatfsdp.engine.comm.user_comms import check_comm
 from flatfsdp.engine.runtime.unit_state import UnitState
-from flatfsdp.engine.runtime.unit_controls import lookup_rows_refusal
+from flatfsdp.engine.runtime.unit_controls import lookup_rows_refusal, rows_all_local
 
 
 class UnshardHandle:
@@ -74,12 +74,8 @@ class FSDPModule(TorchFSDPModule):
     def _apply(self, fn, recurse: bool = True):
         """``.to(dtype / device)``, ``.to_empty()``, ``.double()``: convert the
         sharded parameters and keep them sharded (see conversion.py)."""
-        state = self._flatfsdp_state
-        state.reshard()
-        with python_side_kept([p for g in state.groups for p in g.sharded_params]):
-            ret = super(TorchFSDPModule, self)._apply(fn, recurse)  # past torch's FSDP2 version
-        adopt_converted(state, self)
-        return ret
+        # past torch's FSDP2 version, to nn.Module's
+        return convert_sharded(self._flatfsdp_state, self, lambda: super(TorchFSDPModule, self)._apply(fn, recurse))
 
     def to_empty(self, *, device: Any, recurse: bool = True):
         """As torch's: the sharded parameters get uninitialised storage on
@@ -316,8 +312,10 @@ class FSDPModule(TorchFSDPModule):
 
     def set_lookup_rows_only(self, lookup_rows_only: bool) -> None:
         """True, on one ``nn.Embedding`` sharded ZeRO-3: its forward gathers, and its
-        gradient reduction sends, only the rows the ranks' ids touch (docs/fsdp2.md)."""
+        gradient reduction sends, only the rows the ranks' ids touch (docs/fsdp2.md);
+        accepted, changing nothing, where every row is here (rows_all_local)."""
         state = self._flatfsdp_state
+        lookup_rows_only = lookup_rows_only and not rows_all_local(state)
         if lookup_rows_only and (reason := lookup_rows_refusal(state)) is not None:
             raise ValueError(f"set_lookup_rows_only: unit '{state.path or type(self).__name__}' cannot "
                              f"gather rows only: {reason}")

@@ -80,6 +80,13 @@ def lookup_rows_refusal(state) -> str | None:
     return "its table is a tensor subclass" if refusal is None else refusal()
 
 
+def rows_all_local(state) -> bool:
+    """The unit's chunk is its whole shard group (world 1, HSDP replicas of one
+    rank): every row of its table is already here, so a row lookup has nothing
+    to pick from other ranks and its gather moves no bytes either way."""
+    return bool(state.groups) and all(getattr(g.buffers.gather_codec, "whole_chunk", False) for g in state.groups)
+
+
 def needing_weights_in_backward(states: list) -> list:
     """Backward prefetch skips a unit whose backward needs no weights
     (``set_unshard_in_backward(False)``: an embedding lookup's gradient is the
