@@ -58,7 +58,7 @@ class WireChoice:
                                      replica_gather=b.replicas.code_gather(b.main),
                                      keep_codes=not place.keep_model_weights)
         kept = place.keep_model_weights
-        if not kept and b.model_local is None:  # the chunk is the whole group: nothing travels
+        if not kept and b.holds_whole_group():  # nothing travels: no chunk was kept to send
             return CastGather(b.layout, b.unsharded.data, b.main_chunk, self.transport, in_place=b.gathered_is_main)
         return GatherPlan(b.layout, b.index, b.unsharded.data, b.unsharded.data if kept else b.model_local,
                           source_in_unsharded=kept, transport=self.transport, refresh=b.refresh_gather_source,
