@@ -38,7 +38,8 @@ class Check:
 
 CHECKS = {c.name: c for c in (
     Check("parity_one_call", "ZeRO-1/2/3 through fully_shard(model, optimizer, ...), bf16 compute with fp32 main "
-          "weights, world 1 over NCCL: losses and main weights follow the unsharded model",
+          "weights, world 1 over NCCL: losses and main weights follow the unsharded model; ZeRO-3 as one rank "
+          "holds it (nothing gathered) and with its chunk gathered as in a larger group",
           training_checks.check_parity_one_call),
     Check("parity_per_module", "the same through FSDP2's door (fully_shard per block, torch's MixedPrecisionPolicy, "
           "optimizer built after)", training_checks.check_parity_per_module),

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatfsdp
-from device_world import main_weights, regression_data, require_cuda, residual_mlp, synchronize, world_of_one
+from device_world import (chunk_kept_as_in_a_larger_group, main_weights, regression_data, require_cuda,
+                          residual_mlp, synchronize, world_of_one)
 from flatfsdp.models.gpt import TransformerBlock
 from training import batches, make_model, make_optimizer, max_diff, train_reference, train_sharded
 
@@ -56,8 +57,14 @@ def _parity(device: torch.device, workdir: Path, shard) -> dict:
         figures["backend"] = str(dist.get_backend(mesh.get_group()))
         if device.type == "cuda":
             assert "nccl" in figures["backend"], figures
-        for strategy, stage in ZERO.items():
-            model, opt = shard(make_model().to(device), mesh, strategy)
+        # ZeRO-3 twice: as one rank holds it (the chunk is the whole group: nothing
+        # gathered, the main weights cast per unit), and with the chunk kept and
+        # gathered over the backend as in a larger group.
+        cases = [(f"zero{stage}", strategy, False) for strategy, stage in ZERO.items()]
+        cases.append(("zero3_kept_chunk", "optim_grads_params", True))
+        for label, strategy, kept in cases:
+            with chunk_kept_as_in_a_larger_group() if kept else contextlib.nullcontext():
+                model, opt = shard(make_model().to(device), mesh, strategy)
             seen = set()
             model.blocks[0].attn.qkv.register_forward_pre_hook(
                 lambda m, args: seen.add((m.weight.dtype, m.weight.device.type)))
@@ -66,17 +73,20 @@ def _parity(device: torch.device, workdir: Path, shard) -> dict:
             account = flatfsdp.comm_account().snapshot()
             worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
             diff = max_diff(main_weights(model), reference)
-            figures.update({f"zero{stage}.loss_rel_diff": worst, f"zero{stage}.main_weight_diff": diff,
-                            f"zero{stage}.gathers": account.get("all_gather", {}).get("count", 0)})
-            assert seen == {(torch.bfloat16, device.type)}, (strategy, seen)  # bf16 compute, on the device
-            assert {p.dtype for g in opt.param_groups for p in g["params"]} == {torch.float32}, strategy
-            assert worst < 2e-2, (strategy, losses, ref_losses)
+            gathers = account.get("all_gather", {}).get("count", 0)
+            figures.update({f"{label}.loss_rel_diff": worst, f"{label}.main_weight_diff": diff,
+                            f"{label}.gathers": gathers})
+            assert seen == {(torch.bfloat16, device.type)}, (label, seen)  # bf16 compute, on the device
+            assert {p.dtype for g in opt.param_groups for p in g["params"]} == {torch.float32}, label
+            assert worst < 2e-2, (label, losses, ref_losses)
             # Adam moves a weight by at most about the learning rate a step: a
             # main weight further off than two steps' worth was not stepped alike.
-            assert diff < 2 * LR * PARITY_STEPS, (strategy, diff)
-            assert sum(losses[-3:]) < sum(losses[:3]), (strategy, losses)  # it learns
-            if stage == 3:
-                assert figures["zero3.gathers"] > 0, account  # weights did travel through the backend
+            assert diff < 2 * LR * PARITY_STEPS, (label, diff)
+            assert sum(losses[-3:]) < sum(losses[:3]), (label, losses)  # it learns
+            if label == "zero3":
+                assert gathers == 0, account  # the whole group on this rank: nothing travels
+            if kept:
+                assert gathers > 0, account  # weights did travel through the backend
             del model, opt
     return figures
 
@@ -156,9 +166,10 @@ def _stream_run(device: torch.device, mesh, **patches) -> dict:
     model = residual_mlp(512, 4).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     policy = flatfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model, opt = flatfsdp.fully_shard(model, opt, device_mesh=mesh, fsdp_unit_modules=[type(model.blocks[0])],
-                                      zero_dp_strategy="optim_grads_params", mixed_precision_policy=policy,
-                                      bucket_bytes=0)
+    with chunk_kept_as_in_a_larger_group():  # gathers on side streams, as in a larger group
+        model, opt = flatfsdp.fully_shard(model, opt, device_mesh=mesh, fsdp_unit_modules=[type(model.blocks[0])],
+                                          zero_dp_strategy="optim_grads_params", mixed_precision_policy=policy,
+                                          bucket_bytes=0)
     streams = _CollectiveStreams()
     losses = []
     with _patched(**patches), streams:

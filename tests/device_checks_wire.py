@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import flatfsdp
-from device_world import synchronize, world_of_one
+from device_world import chunk_kept_as_in_a_larger_group, synchronize, world_of_one
 from flatfsdp.bench.workload import schedule_embedding_units, unit_classes
 from flatfsdp.engine.layout.block_formats import block_format, quantize_dequantize
 from flatfsdp.models.gpt import GPT, TransformerBlock, lm_loss
@@ -122,8 +122,12 @@ def check_tied_rows_unit(device: torch.device, workdir: Path) -> dict:
     with world_of_one(device, workdir) as mesh:
         model = _tied_model(device)
         opt = make_optimizer("adamw", model.named_parameters())
-        model, opt = flatfsdp.fully_shard(model, opt, device_mesh=mesh, fsdp_unit_modules=unit_classes(model, True),
-                                          zero_dp_strategy="optim_grads_params")
+        # The chunk kept as in a larger group: at one rank holding it whole, a
+        # lookup has no rows to fetch (unit_controls.rows_all_local).
+        with chunk_kept_as_in_a_larger_group():
+            model, opt = flatfsdp.fully_shard(model, opt, device_mesh=mesh,
+                                              fsdp_unit_modules=unit_classes(model, True),
+                                              zero_dp_strategy="optim_grads_params")
         schedule_embedding_units(model, rows_only=True)
         losses = []
         for x in data:

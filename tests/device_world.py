@@ -59,6 +59,22 @@ def world_of_one(device: torch.device, workdir: Path, mesh_device: str | None = 
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def chunk_kept_as_in_a_larger_group():
+    """Groups built meanwhile keep a compute-dtype chunk and gather it over the
+    backend, as every rank of a group of two or more does. At world 1 a ZeRO-3
+    group otherwise holds its whole group (``GroupBuffers.holds_whole_group``)
+    and nothing travels -- the default, checked as such -- so without this a
+    one-GPU check would never issue the gathers, side streams and events a
+    cluster runs on."""
+    from unittest import mock
+
+    from flatfsdp.engine.groups.buffers import GroupBuffers
+
+    with mock.patch.object(GroupBuffers, "holds_whole_group", lambda self: False):
+        yield
+
+
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize()
