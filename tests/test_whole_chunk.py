@@ -53,3 +53,55 @@ def test_alone_in_fp32_zero3_holds_what_zero2_holds():
     assert zero3.persistent == zero2.persistent
     assert zero3.engine_transient_peak == zero2.engine_transient_peak  # nothing gathered comes and goes
     assert "all_gather" not in zero3.comm["world"]
+
+
+def released_worker(rank: int, world: int) -> dict:
+    """Which blocks hold gathered weights once the forward is over, and, as
+    each block's backward ends, which later blocks still hold a gradient
+    accumulation buffer (a reduction not yet landed), in the second step."""
+    from flatfsdp.engine.runtime.unit_state import unit_states
+    from flatfsdp.models.gpt import lm_loss
+
+    # No coalescing: each block's reduction is issued as its backward ends (as a
+    # unit above the bucket size is), not held in an open bucket with the next.
+    model, optimizer = shard_gpt("optim_grads_params", bf16=True, opt_name="adamw", bucket_bytes=0)
+    blocks = list(model.blocks)
+    states = [unit_states(block)[0] for block in blocks]
+    gathered = [lambda s=s: any(g.buffers.unsharded.is_allocated for g in s.groups) for s in states]
+    accumulating = [lambda s=s: any(g.buffers.grads.is_allocated for g in s.groups) for s in states]
+    held: list[list[int]] = []
+
+    def watch(k):
+        def pre(module, args):
+            if args[0].requires_grad:
+                args[0].register_hook(lambda grad: held.append([j for j in range(k + 1, len(blocks))
+                                                                if accumulating[j]()]))
+        return pre
+
+    for k, block in enumerate(blocks):
+        block.register_forward_pre_hook(watch(k))
+    after_forward = []
+    for x in batches(2):
+        held.clear()
+        x = x[rank::world]
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        after_forward = [k for k in range(len(blocks)) if gathered[k]()]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(after_forward=after_forward, held=list(held), blocks=len(blocks))
+
+
+def test_alone_nothing_gathered_or_reduced_waits_beside_the_loss_or_the_next_backward():
+    """At one rank a block's gather is a cast and its reduction a copy: the
+    last block is not kept gathered through the loss (FSDP2 keeps none; an
+    H200's peak was one block's bf16 weights above FSDP2's), and no block's
+    reduction stays in flight holding its fp32 accumulation buffer while
+    the next blocks' backward runs. With two ranks the last block stays
+    gathered: its gather travels, and releasing it would gather it again."""
+    alone = run_ranks(released_worker, 1)[0]
+    assert alone["blocks"] >= 2
+    assert alone["after_forward"] == []
+    assert alone["held"] == [[]] * alone["blocks"]
+    pair = run_ranks(released_worker, 2)[0]
+    assert pair["after_forward"] == [pair["blocks"] - 1]

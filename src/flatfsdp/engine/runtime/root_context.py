@@ -70,6 +70,11 @@ class RootContext:
         # Two streams so a gradient reduction never queues behind a prefetch.
         self.gather_stream = SideStream(device)
         in_flight = max([MAX_REDUCTIONS_IN_FLIGHT] + [s.controls.reduce_scatter_max_input_buffers for s in states])
+        if all(g.buffers.layout.world == 1 for s in states for g in s.groups):
+            # A first stage over one rank is a copy: kept in flight, it would only
+            # hold its unsharded gradient buffer (a unit's, in the reduce dtype)
+            # through the next units' backward. Each lands as it is issued.
+            in_flight = 0
         self.reductions = ReductionQueue(bucket_bytes=options.bucket_bytes, max_in_flight=in_flight,
                                          stream=SideStream(device))
         # Units in the order their forwards ran: this step's (for backward

@@ -25,7 +25,8 @@ from flatfsdp.engine.runtime.deferred_init import DeferredInit
 from flatfsdp.engine.runtime.gather_units import gather_units
 from flatfsdp.engine.runtime.root_context import RootContext
 from flatfsdp.engine.runtime.structures import tensors_in
-from flatfsdp.engine.runtime.unit_controls import HEAD_START_UNITS, UnitControls, needing_weights_in_backward
+from flatfsdp.engine.runtime.unit_controls import (HEAD_START_UNITS, UnitControls, needing_weights_in_backward,
+                                                   rows_all_local)
 from flatfsdp.engine.runtime.unit_hooks import PostBackward, cast_floating
 from flatfsdp.engine.runtime.training_state import TrainingState
 
@@ -296,7 +297,10 @@ class UnitState:
         """The root always stays gathered (its backward comes last and it is
         needed throughout); so, unless told otherwise, does the unit that ran
         last in the previous step's forward: its backward comes first, so
-        releasing it would only gather it again at once."""
+        releasing it would only gather it again at once -- unless its gather
+        moves nothing (the chunk is the whole group: a cast of the main
+        weights), where keeping it would only hold its weights through the
+        loss, the step's peak (FSDP2 holds none there)."""
         if self._rows_only:  # only some rows are there: never kept for others to read
             return False
         reshard = self.controls.reshard_after_forward
@@ -304,7 +308,7 @@ class UnitState:
             return True
         if self.is_root:
             return reshard is not True
-        return reshard is None and context.is_last_in_forward(self)
+        return reshard is None and context.is_last_in_forward(self) and not rows_all_local(self)
 
     # ---- backward -----------------------------------------------------------------------
 
