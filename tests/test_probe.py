@@ -68,6 +68,25 @@ def test_small_ops_do_not_set_a_rate_for_large_ones():
     assert rates.byte_s == pytest.approx(1e-4 / RATE_MIN_BYTES)
 
 
+def test_ops_timed_on_a_device_cost_the_longer_of_kernel_and_dispatch():
+    """On an accelerator the host dispatches the next op while the device runs
+    this one: a long kernel hides its dispatch, a tiny one costs its dispatch;
+    on the CPU the two add up. The step's fixed cost is what the ops leave."""
+    from flatfsdp.estimator.op_timer import rates_from
+
+    long_op = Op("mm", 10**9, 10**6, ("mm", ((64, 64), "bfloat16")), "forward")
+    tiny = Op("add", 0, 8, ("add", ((2,), "float32")), "forward")
+    timed = [(long_op, 1e-3), (tiny, 1e-6)]
+    device = rates_from(timed, plain_step_s=2e-3, per_op_s=5e-6, overlapped=True)
+    host = rates_from(timed, plain_step_s=2e-3, per_op_s=5e-6)
+    assert Measured(device).seconds(long_op) == pytest.approx(1e-3)
+    assert Measured(device).seconds(tiny) == pytest.approx(5e-6)
+    assert Measured(host).seconds(long_op) == pytest.approx(1e-3 + 5e-6)
+    assert Measured(host).seconds(tiny) == pytest.approx(6e-6)
+    assert device.step_overhead_s == pytest.approx(2e-3 - 1e-3 - 5e-6)
+    assert host.step_overhead_s == pytest.approx(2e-3 - 1e-3 - 1e-6 - 2 * 5e-6)
+
+
 def test_a_device_roofline_takes_the_longer_of_flops_and_bytes():
     h100 = Throughput(DEVICES["h100"])
     matmul = Op("mm", 10**12, 10**6, ("mm", ((1, 1), "bfloat16")), "forward")
@@ -75,3 +94,26 @@ def test_a_device_roofline_takes_the_longer_of_flops_and_bytes():
     copy = Op("copy_", 0, 10**9, ("copy_", ((1,), "bfloat16")), "engine")
     assert h100.seconds(copy) == pytest.approx(1e9 / (3350e9 * 0.8))
     assert h100.seconds(Op("add", 0, 8, ("add", ((1,), "float32")), "forward")) == pytest.approx(4e-6)
+
+
+def test_a_roofline_prices_an_op_in_the_dtype_of_its_largest_argument():
+    """Attention's backward takes its fp32 log-sum-exp first and bf16 queries,
+    keys and values after: it computes in bf16 (priced at fp32 it was 0.66 s
+    of a predicted 1.0 s H200 step measured at 0.37 s)."""
+    h200 = Throughput(DEVICES["h200"])
+    q = ((4, 32, 4096, 64), "bfloat16")
+    backward = Op("_scaled_dot_product_flash_attention_backward", 10**13, 10**6,
+                  ("_scaled_dot_product_flash_attention_backward", ((4, 32, 4096), "float32"), q, q, q), "backward")
+    bf16_peak = DEVICES["h200"].matmul_tflops["bfloat16"] * 1e12
+    assert h200.seconds(backward) == pytest.approx(1e13 / (bf16_peak * 0.5))
+
+
+def test_an_unsafe_view_moves_no_bytes():
+    import torch
+
+    from flatfsdp.estimator.schedule_trace import describe_op
+
+    x = torch.ones(64, 64)
+    op = describe_op(torch.ops.aten._unsafe_view.default, (x, [4096]), {}, x.view(4096), "forward")
+    assert (op.flops, op.nbytes) == (0, 0)
+    assert Throughput(DEVICES["h200"]).seconds(op) == 0.0

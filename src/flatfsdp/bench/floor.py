@@ -27,8 +27,7 @@ class FloorTrainer:
         self.mixed = compute_dtype != torch.float32
         self.compute = model
         if self.mixed:
-            # deepcopy keeps the tied embedding tied, so parameters() pair up one to one.
-            self.compute = copy.deepcopy(model).to(compute_dtype)
+            self.compute = _cast_copy(model, compute_dtype)
         self.compute_params = list(self.compute.parameters())
         self.optimizer = make_optimizer(self.mains)
 
@@ -45,3 +44,22 @@ class FloorTrainer:
             with torch.no_grad():
                 torch._foreach_copy_(self.compute_params, self.mains)
         return loss.detach()
+
+
+def _cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``copy.deepcopy(model).to(dtype)``, made so the copy is built in ``dtype``:
+    deepcopy's memo hands it the cast tensors, so a tied table stays tied (and
+    parameters() pair up one to one) with nothing to swap afterwards -- torch
+    swaps a fake world's parameters (the estimator records this step), and a
+    tied one cannot be swapped -- and a fake world's mode stays shared."""
+    memo: dict = {}
+    for param in model.parameters():
+        mode = getattr(param, "fake_mode", None)
+        if mode is not None:
+            memo[id(mode)] = mode
+        if param.is_floating_point():
+            memo[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            memo[id(buffer)] = buffer.to(dtype)
+    return copy.deepcopy(model, memo)

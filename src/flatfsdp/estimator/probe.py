@@ -92,7 +92,9 @@ def probe(workloads: list[tuple[Callable, tuple]], *, ranks: int | None = None, 
     from flatfsdp.launch import launch
 
     cores = os.cpu_count() or 1
-    ranks = ranks or cores
+    # On accelerators a rank is a device (ranks side by side on one GPU would
+    # only share its memory); on a host, a core.
+    ranks = ranks or (torch.accelerator.device_count() if torch.accelerator.is_available() else cores)
     load = os.getloadavg()
     alone = launch(probe_rank, 1, workloads, steps, 0, workload_s, threads_per_rank=threads_per_rank)
     # Each engine workload in fresh processes, as a training run starts: a heap warmed by
@@ -100,6 +102,10 @@ def probe(workloads: list[tuple[Callable, tuple]], *, ranks: int | None = None, 
     engine = {name: launch(probe_rank, 1, [], steps, 0, workload_s, [(name, factory, args)],
                            threads_per_rank=threads_per_rank)["engine_step_s"][name]
               for name, factory, args in engine_workloads}
+    if ranks == 1:  # nothing side by side, nothing to exchange: one device
+        return MachineProbe(alone=alone["rates"], side_by_side=alone["rates"], ranks=1, cores=cores,
+                            step_s={"alone": alone["step_s"], "side_by_side": alone["step_s"]},
+                            engine_step_s=engine, load=load)
     together = launch(probe_rank, ranks, workloads, steps, comm_mbytes, workload_s, threads_per_rank=threads_per_rank)
     return MachineProbe(alone=alone["rates"], side_by_side=together["rates"], ranks=ranks, cores=cores,
                         step_s={"alone": alone["step_s"], "side_by_side": together["step_s"]},
@@ -114,15 +120,16 @@ def probe_rank(workloads: list[tuple[Callable, tuple]], steps: int, comm_mbytes:
     device = torch.device(torch.accelerator.current_accelerator().type) if torch.accelerator.is_available() \
         else torch.device("cpu")
     per_op = dispatch_seconds(device)
+    overlapped = OpTimer(device).overlapped
     timed, overheads, step_s = [], [], []
     for factory, args in workloads:
         workload_timed, plain = _time_steps(factory(*args), steps, device)
         timed += workload_timed
         step_s.append(plain)
-        overheads.append(rates_from(workload_timed, plain, per_op, steps).step_overhead_s)
+        overheads.append(rates_from(workload_timed, plain, per_op, steps, overlapped).step_overhead_s)
     # Signatures carry shapes, so the workloads' ops stay apart; the model's own fixed cost is theirs on average.
     overhead = statistics.mean(overheads) if overheads else 0.0
-    rates = replace(rates_from(timed, 0.0, per_op, steps), step_overhead_s=overhead)
+    rates = replace(rates_from(timed, 0.0, per_op, steps, overlapped), step_overhead_s=overhead)
     out = dict(rates=rates, step_s=step_s, engine_step_s={})
     for name, factory, args in engine_workloads:
         out["engine_step_s"][name] = _plain_steps(factory(*args), steps, device)
