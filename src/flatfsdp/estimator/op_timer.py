@@ -21,13 +21,22 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flatfsdp.engine.layout.device import queue_busy_wait
 from flatfsdp.estimator.compute_cost import OpRates
 from flatfsdp.estimator.schedule_trace import describe_op, is_compute
 
 
 BUSY_CYCLES = 1_000_000
 """About 0.5 ms of a GPU's clock: longer than the host takes to queue an op."""
+
+
+def queue_busy_wait(device: torch.device, cycles: int) -> bool:
+    """Queue ``cycles`` of the device's clock of doing nothing on its current
+    stream, so what the host queues next starts only after it. False where
+    the device kind has no such kernel (then nothing is queued)."""
+    if device.type != "cuda":
+        return False
+    torch.cuda._sleep(cycles)
+    return True
 
 
 def _sync(device: torch.device) -> None:

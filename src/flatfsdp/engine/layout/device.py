@@ -90,13 +90,3 @@ def copy_to_host(tensors: list[torch.Tensor], out: list["torch.Tensor | None"] |
         torch.accelerator.current_stream(device).synchronize()
     return copies
 
-
-def queue_busy_wait(device: torch.device, cycles: int) -> bool:
-    """Queue ``cycles`` of the device's clock of doing nothing on its current
-    stream, so what the host queues next starts only after it (a probe timing
-    a kernel without its launch: estimator/op_timer.py). False where the
-    device kind has no such kernel (then nothing is queued)."""
-    if device.type != "cuda":
-        return False
-    torch.cuda._sleep(cycles)
-    return True

@@ -25,8 +25,8 @@ from flatfsdp.engine.runtime.deferred_init import DeferredInit
 from flatfsdp.engine.runtime.gather_units import gather_units
 from flatfsdp.engine.runtime.root_context import RootContext
 from flatfsdp.engine.runtime.structures import tensors_in
-from flatfsdp.engine.runtime.unit_controls import (HEAD_START_UNITS, UnitControls, needing_weights_in_backward,
-                                                   rows_all_local)
+from flatfsdp.engine.runtime.unit_controls import HEAD_START_UNITS, UnitControls, needing_weights_in_backward, \
+    rows_all_local
 from flatfsdp.engine.runtime.unit_hooks import PostBackward, cast_floating
 from flatfsdp.engine.runtime.training_state import TrainingState
 
@@ -294,13 +294,9 @@ class UnitState:
         self.training_state = TrainingState.IDLE
 
     def _keep_gathered_after_forward(self, context: RootContext) -> bool:
-        """The root always stays gathered (its backward comes last and it is
-        needed throughout); so, unless told otherwise, does the unit that ran
-        last in the previous step's forward: its backward comes first, so
-        releasing it would only gather it again at once -- unless its gather
-        moves nothing (the chunk is the whole group: a cast of the main
-        weights), where keeping it would only hold its weights through the
-        loss, the step's peak (FSDP2 holds none there)."""
+        """The root stays gathered (needed throughout); unless told otherwise, so does the
+        unit last in forward (its backward, first, would gather it again) -- unless that
+        gather is a cast (a whole-group chunk): kept, it only swells the loss's peak."""
         if self._rows_only:  # only some rows are there: never kept for others to read
             return False
         reshard = self.controls.reshard_after_forward
