@@ -152,3 +152,35 @@ def _strategies(world):
     if world not in _CACHE:
         _CACHE[world] = run_ranks(strategies_worker, world)
     return _CACHE[world]
+
+
+def batched_ranks_worker(rank, world):
+    """The same int8 training with passes as an accelerator takes them (not
+    cache-sized: every whole-chunk rank dequantized in one pass), and as the
+    host takes them (one pass a rank, cache-sized)."""
+    from unittest import mock
+
+    from flatfsdp.engine.comm import block_gather
+    from flatfsdp.engine.layout import block_formats
+
+    host = run_config(rank, world, "int8", "one-call", "optim_grads_params")
+    batched = []
+    original = block_gather.BlockScaledGather._ranks_at_once
+
+    def counted(self, *args):
+        batched.append(original(self, *args))
+        return batched[-1]
+
+    with mock.patch.object(block_formats, "passes_in_cache", lambda x: False), \
+            mock.patch.object(block_gather, "passes_in_cache", lambda x: False), \
+            mock.patch.object(block_gather.BlockScaledGather, "_ranks_at_once", counted):
+        accelerator_like = run_config(rank, world, "int8", "one-call", "optim_grads_params")
+    return dict(host=host, accelerator_like=accelerator_like, batched=batched)
+
+
+def test_ranks_dequantized_in_one_pass_compute_with_the_same_weights():
+    """Three ranks: uneven chunks, so a partial rank is still done alone after the batch."""
+    out = run_ranks(batched_ranks_worker, 3)[0]
+    assert max(out["batched"]) >= 2  # the one-pass path ran, over several ranks at once
+    assert max(out["accelerator_like"]["distance"]) <= 1e-6
+    assert out["accelerator_like"]["losses"] == out["host"]["losses"]

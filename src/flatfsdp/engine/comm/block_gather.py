@@ -31,7 +31,7 @@ import torch.distributed as dist
 from flatfsdp.engine.comm.collectives import Pending
 from flatfsdp.engine.layout import views
 from flatfsdp.engine.layout.arithmetic import GroupLayout, ParamLayout, build_group_layout
-from flatfsdp.engine.layout.block_formats import BlockFormat, dequantize, quantize
+from flatfsdp.engine.layout.block_formats import BlockFormat, dequantize, passes_in_cache, quantize
 from flatfsdp.engine.layout.device import SideStream
 from flatfsdp.engine.layout.switches import Transport
 
@@ -192,6 +192,23 @@ class BlockScaledGather:
     def pack(self, row: torch.Tensor) -> None:
         row.copy_(self.own)
 
+    def _ranks_at_once(self, p, code_slots: torch.Tensor, scale_slots: torch.Tensor, nb: int) -> int:
+        """Dequantize the leading ranks whose chunks are whole (``p.chunk`` rows)
+        in one pass, where passes are not cache-sized (an accelerator, the
+        estimator's fake tensors): at 1,024 ranks a pass a rank is thousands of
+        launches a unit. Returns the first rank left to do one by one."""
+        whole = 0
+        while whole < self.layout.world and p.chunk_length(whole) == p.chunk:
+            whole += 1
+        if whole < 2 or passes_in_cache(code_slots):
+            return 0
+        rows, inner = p.chunk, p.inner
+        out = views.unsharded_slots(self.unsharded, p, whole)[:, :rows * inner]
+        dequantize(code_slots[:whole, :rows * inner].unflatten(-1, (rows, inner)),
+                   scale_slots[:whole, :rows * nb].unflatten(-1, (rows, nb)), self.row.fmt,
+                   out.unflatten(-1, (rows, inner)))
+        return whole
+
     def unpack(self, table: torch.Tensor) -> None:
         """Every rank's codes dequantized, and plain chunks copied, into the
         unsharded buffer: rank r's rows of a coded parameter land in its slot."""
@@ -203,7 +220,8 @@ class BlockScaledGather:
                 pc, ps, p = row.codes.params[k], row.scales.params[k], params[i]
                 nb = ps.shape[1]
                 code_slots, scale_slots = views.wire_slots(codes, pc), views.wire_slots(scales, ps)
-                for r in range(self.layout.world):
+                first = self._ranks_at_once(p, code_slots, scale_slots, nb)
+                for r in range(first, self.layout.world):
                     count = p.chunk_length(r)
                     if count:
                         out = views.unsharded_slot(self.unsharded, p, r)[:count * p.inner].view(count, p.inner)

@@ -158,26 +158,41 @@ def parse_format(value, block: int | None = None, *, what: str = "param_gather_d
 
 
 _ROWS_AT_ONCE = 1 << 18
-"""Elements quantized per pass: the temporaries stay in cache and in the
-allocator's pool (fresh multi-MB temporaries cost more in page faults than
-the arithmetic)."""
+"""Elements quantized per pass on a host CPU: the temporaries stay in cache
+and in the allocator's pool (fresh multi-MB temporaries cost more in page
+faults than the arithmetic). An accelerator takes one pass (each pass is a
+few kernel launches), and so do fake tensors (the estimator: each pass is a
+few dispatches of pure overhead -- 8B at int8 took over 30 minutes)."""
+
+
+def passes_in_cache(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows are worked through in cache-sized passes (real host memory)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return x.device.type == "cpu" and not isinstance(x, FakeTensor)
 
 
 def _split(x: torch.Tensor, fmt: BlockFormat) -> list[tuple[torch.Tensor, slice]]:
     """(rows of whole blocks as (rows, nb, width), scale columns) and the
-    short tail block as (rows, 1, tail): views of ``x`` (rows, n)."""
+    short tail block as (rows, 1, tail): views of ``x`` (rows, n; or with
+    more leading dimensions, as several ranks' rows at once)."""
     n = x.shape[-1]
     block = fmt.width(n)
     full = n // block
     parts = []
     if full:
-        parts.append((x[:, :full * block].unflatten(-1, (full, block)), slice(0, full)))
+        parts.append((x[..., :full * block].unflatten(-1, (full, block)), slice(0, full)))
     if n % block:
-        parts.append((x[:, full * block:].unsqueeze(-2), slice(full, full + 1)))
+        parts.append((x[..., full * block:].unsqueeze(-2), slice(full, full + 1)))
     return parts
 
 
-def _row_ranges(rows: int, n: int) -> list[slice]:
+def _row_ranges(x: torch.Tensor) -> list[slice]:
+    """Passes over ``x``'s leading dimension: cache-sized ones on a host CPU
+    (``passes_in_cache``), else one."""
+    rows, n = x.shape[0], x[0].numel() if x.shape[0] else 0
+    if not passes_in_cache(x):
+        return [slice(0, rows)]
     step = max(1, _ROWS_AT_ONCE // max(n, 1))
     return [slice(r, min(rows, r + step)) for r in range(0, rows, step)]
 
@@ -185,13 +200,13 @@ def _row_ranges(rows: int, n: int) -> list[slice]:
 def quantize(x: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor) -> None:
     """Codes (uint8, ``x``'s shape) and scales (fp32, (rows, blocks(n))) of
     ``x`` (rows, n), written into the given tensors (views of a wire row)."""
-    for rows in _row_ranges(x.shape[0], x.shape[-1]):
+    for rows in _row_ranges(x):
         parts = zip(_split(x[rows], fmt), _split(codes[rows], fmt))
         for (values, cols), (out, _) in parts:
             amax = torch.maximum(values.amax(dim=-1, keepdim=True), values.amin(dim=-1, keepdim=True).neg_())
             scale = amax.float().div_(fmt.qmax)
             scale = torch.where(scale > 0, scale, 1.0)  # an all-zero block codes as zeros
-            scales[rows, cols].copy_(scale.squeeze(-1))
+            scales[rows][..., cols].copy_(scale.squeeze(-1))
             fmt.encode(torch.div(values, scale), out)
 
 
@@ -203,10 +218,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat, out:
     ``accumulate``: ``out += `` the same values instead (decoded into a
     cache-sized temporary per pass: a gradient sum needs no decoded copy of
     the whole chunk, whose fresh pages cost more than the arithmetic)."""
-    for rows in _row_ranges(codes.shape[0], codes.shape[-1]):
+    for rows in _row_ranges(codes):
         parts = zip(_split(codes[rows], fmt), _split(out[rows], fmt))
         for (c, cols), (o, _) in parts:
-            scale = scales[rows, cols].unsqueeze(-1)
+            scale = scales[rows][..., cols].unsqueeze(-1)
             target = torch.empty(o.shape, dtype=o.dtype, device=o.device) if accumulate else o
             target.copy_(fmt.decode(c))
             target.mul_(scale if fmt.decode_factor == 1.0 else scale * fmt.decode_factor)

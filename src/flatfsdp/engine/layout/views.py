@@ -42,6 +42,12 @@ def unsharded_slot(unsharded: torch.Tensor, p: ParamLayout, rank: int) -> torch.
     return unsharded[start:start + p.slot]
 
 
+def unsharded_slots(unsharded: torch.Tensor, p: ParamLayout, ranks: int) -> torch.Tensor:
+    """The slots of ranks 0 .. ``ranks`` - 1 (``unsharded_slot``, back to back) as a (ranks, slot) view."""
+    start = p.unsharded_offset
+    return unsharded[start:start + ranks * p.slot].view(ranks, p.slot)
+
+
 def chunk_of(full: torch.Tensor, p: ParamLayout, rank: int) -> torch.Tensor:
     """``rank``'s chunk of a full-shape value of ``p`` (the whole of it when replicated)."""
     if p.shard_dim is None:
