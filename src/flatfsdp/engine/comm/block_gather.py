@@ -197,10 +197,10 @@ class BlockScaledGather:
         in one pass, where passes are not cache-sized (an accelerator, the
         estimator's fake tensors): at 1,024 ranks a pass a rank is thousands of
         launches a unit. Returns the first rank left to do one by one."""
-        whole = 0
-        while whole < self.layout.world and p.chunk_length(whole) == p.chunk:
-            whole += 1
-        if whole < 2 or passes_in_cache(code_slots):
+        if passes_in_cache(code_slots):
+            return 0
+        whole = p.full_chunks
+        if whole < 2:
             return 0
         rows, inner = p.chunk, p.inner
         out = views.unsharded_slots(self.unsharded, p, whole)[:, :rows * inner]

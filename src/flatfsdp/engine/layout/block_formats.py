@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 DEFAULT_BLOCK = 256
 """Elements per scale. Measured on the bench GPT (docs/lowbit.md): 4 scale
@@ -167,8 +168,6 @@ few dispatches of pure overhead -- 8B at int8 took over 30 minutes)."""
 
 def passes_in_cache(x: torch.Tensor) -> bool:
     """Whether ``x``'s rows are worked through in cache-sized passes (real host memory)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return x.device.type == "cpu" and not isinstance(x, FakeTensor)
 
 
@@ -190,7 +189,8 @@ def _split(x: torch.Tensor, fmt: BlockFormat) -> list[tuple[torch.Tensor, slice]
 def _row_ranges(x: torch.Tensor) -> list[slice]:
     """Passes over ``x``'s leading dimension: cache-sized ones on a host CPU
     (``passes_in_cache``), else one."""
-    rows, n = x.shape[0], x[0].numel() if x.shape[0] else 0
+    rows = x.shape[0]
+    n = x.numel() // max(rows, 1)
     if not passes_in_cache(x):
         return [slice(0, rows)]
     step = max(1, _ROWS_AT_ONCE // max(n, 1))

@@ -89,4 +89,3 @@ def copy_to_host(tensors: list[torch.Tensor], out: list["torch.Tensor | None"] |
     for device in sources:
         torch.accelerator.current_stream(device).synchronize()
     return copies
-
