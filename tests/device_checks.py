@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+import device_checks_estimator as estimator
 import device_checks_state as state
 import device_checks_training as training_checks
 import device_checks_wire as wire
@@ -62,4 +63,7 @@ CHECKS = {c.name: c for c in (
           "gradients within 2%), bytes as on the CPU", wire.check_lowbit_wire),
     Check("tied_rows_unit", "the tied table and head as one unit with row lookups and a paced table gather: "
           "trains as the unsharded model; the batch's rows travel, not the table", wire.check_tied_rows_unit),
+    Check("schedule_trace", "the estimator's fake-world trace of a step on the device is the op sequence the "
+          "device runs (what a probe of it prices); the engine's step traces there too",
+          estimator.check_schedule_trace),
 )}

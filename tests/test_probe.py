@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from flatfsdp.bench.options import parse
 from flatfsdp.bench.prediction import engine_overhead, engine_step, probe_step, workload_key
@@ -117,3 +118,35 @@ def test_an_unsafe_view_moves_no_bytes():
     op = describe_op(torch.ops.aten._unsafe_view.default, (x, [4096]), {}, x.view(4096), "forward")
     assert (op.flops, op.nbytes) == (0, 0)
     assert Throughput(DEVICES["h200"]).seconds(op) == 0.0
+
+
+TINY_LLAMA = ("--preset gpu --num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 256 "
+              "--seq-length 64 --micro-batch-size 1").split()
+
+
+def test_the_schedule_is_traced_on_the_ops_the_device_runs():
+    """The fake world's step runs the very ops the device runs: on a GPU, a trace
+    of the CPU's ops (RMSNorm in five passes, the CPU's attention, other casts)
+    priced by a probe of the GPU predicted its 0.37 s step 18% long."""
+    from flatfsdp.bench.prediction import trace_run
+    from flatfsdp.estimator.schedule_trace import tracing
+
+    cfg, _ = parse(TINY_LLAMA)
+    step = probe_step(cfg.as_dict())
+    step()
+    with tracing() as real:
+        step()
+    fake = trace_run(cfg, "floor", "cpu")
+    assert [op.key for op in fake.ops] == [op.key for op in real.ops]
+    assert any(op.name == "_scaled_dot_product_flash_attention_for_cpu" for op in fake.ops)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host traces on CUDA itself")
+def test_a_device_the_host_cannot_trace_on_falls_back_to_the_hosts_ops_and_says_so():
+    from flatfsdp.bench.prediction import trace_for_prediction
+
+    cfg, _ = parse(TINY_LLAMA)
+    trace, note = trace_for_prediction(cfg, "floor", "cuda")
+    assert "traced on fake CPU tensors" in note and "cuda" in note
+    assert any(op.name == "_scaled_dot_product_flash_attention_for_cpu" for op in trace.ops)
+    assert trace_for_prediction(cfg, "floor", "cpu")[1] == ""

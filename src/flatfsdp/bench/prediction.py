@@ -85,18 +85,25 @@ def engine_overhead(cfg: BenchConfig, machine: MachineProbe) -> float:
     if measured is None:
         return 0.0
     alone = replace(cfg, nprocs=1, nodes=1, link=None, contenders=("flatfsdp",))
-    predicted = replay(trace_run(alone, "flatfsdp"), *models_for(alone, "flatfsdp", machine, None, 0.0))
+    predicted = replay(trace_for_prediction(alone, "flatfsdp")[0], *models_for(alone, "flatfsdp", machine, None, 0.0))
     return max(0.0, measured - predicted.step_s)
 
 
-def trace_run(cfg: BenchConfig, name: str) -> StepTrace:
-    """Rank 0's second step of contender ``name``, recorded in a fake world of the run's size."""
+def trace_run(cfg: BenchConfig, name: str, device_type: str | None = None) -> StepTrace:
+    """Rank 0's second step of contender ``name``, recorded in a fake world of
+    the run's size, on fake tensors of ``device_type`` (default: the device the
+    run trains on). The device matters: the same model runs other ops on
+    another -- on a GPU RMSNorm is one fused kernel and attention cuDNN's,
+    where a CPU takes five passes for the norm and its own attention -- and a
+    probe of the GPU prices the GPU's ops."""
+    device_type = device_type or device().type
     world = 1 if name == "floor" and cfg.nodes == 1 and cfg.nprocs == 1 else cfg.nprocs * cfg.nodes
     with fake_world(world) as fake:
         outer = FLATFSDP_VARIANTS.get(name, {}).get("outer")
         # Made here, on real tensors: a mesh reads its rank table.
-        mesh = hybrid_mesh("cpu", cfg, FLATFSDP_MESH_NAMES) if outer else init_device_mesh("cpu", (world,))
-        with fake:
+        mesh = (hybrid_mesh(device_type, cfg, FLATFSDP_MESH_NAMES) if outer
+                else init_device_mesh(device_type, (world,)))
+        with fake, torch.device(device_type):
             model = build_model(cfg)
             trainer = setup_floor(model, cfg) if name == "floor" else setup_flatfsdp_variant(name, model, cfg, mesh)
             tokens = torch.zeros(cfg.batch, cfg.seq_len, dtype=torch.long)
@@ -104,6 +111,26 @@ def trace_run(cfg: BenchConfig, name: str) -> StepTrace:
             with tracing() as trace:
                 trainer.step(tokens, tokens)
     return trace
+
+
+def trace_for_prediction(cfg: BenchConfig, name: str, run_type: str | None = None) -> tuple[StepTrace, str]:
+    """``trace_run`` on the run's device (``run_type``, default: this rank's),
+    else on the host's (a torch built without that device's kernels), and a
+    note of which was used."""
+    run_type = run_type or device().type
+    if run_type == "cpu":
+        return trace_run(cfg, name, "cpu"), ""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != run_type:
+        # Not tried: autograd on a fake tensor of a device this torch cannot run aborts the process.
+        why = f"no {run_type} device here"
+    else:
+        try:
+            return trace_run(cfg, name, run_type), f"schedule traced on fake {run_type} tensors"
+        except Exception as exc:  # noqa: BLE001 -- the host's ops are a worse trace, not none
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}" if str(exc) else type(exc).__name__
+    return trace_run(cfg, name, "cpu"), (f"schedule traced on fake CPU tensors (on fake {run_type} tensors: {why}); "
+                                         f"the CPU's ops priced as the {run_type}'s")
 
 
 def mesh_of(cfg: BenchConfig, name: str) -> Mesh:
@@ -143,11 +170,12 @@ def predict_runs(cfg: BenchConfig, machine: MachineProbe | None, device_name: st
         if name not in PREDICTED or name == "flatfsdp-compiled":
             continue
         try:
-            trace = trace_run(cfg, name)
+            trace, traced_on = trace_for_prediction(cfg, name)
         except Exception as exc:  # noqa: BLE001 -- a schedule the fake world cannot run: say so, bench on
             out[name] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
             continue
         compute, fabric = models_for(cfg, name, machine, device_name, engine_s)
         prediction: Prediction = replay(trace, compute, fabric)
-        out[name] = dict(prediction.to_json(), assumptions=[compute.describe(), fabric.describe()])
+        out[name] = dict(prediction.to_json(),
+                         assumptions=[compute.describe(), fabric.describe()] + ([traced_on] if traced_on else []))
     return out
