@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from flatfsdp.engine.comm.comm_account import comm_account
-from flatfsdp.engine.layout.device import SideStream, wait_event
+from flatfsdp.engine.layout.device import SideStream, event_done, wait_event
 from flatfsdp.engine.comm.exchange import exchange_all_gather, exchange_reduce_scatter, post_messages
 from flatfsdp.engine.layout.switches import Transport
 from flatfsdp.engine.layout.views import same_start
@@ -110,13 +110,30 @@ class Pending:
         while self._chain:
             self.next_stage()
         self._wait_works()
+        self._run_callbacks()
+
+    def landed(self) -> bool:
+        """Nothing left to issue and every stage done -- on the host and on the
+        side stream -- so ``retire`` would block on nothing."""
+        return (not self._chain and all(w.is_completed() for w in self.works)
+                and all(event_done(e) for e in self.events))
+
+    def retire(self) -> None:
+        """``wait`` for what has ``landed``: its callbacks run now. Nothing is
+        logged as waited for -- the host needed nothing: it released what it
+        could (the estimator's schedule must not read this as a wait)."""
+        self._wait_works(needed=False)
+        self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
         callbacks, self.then = self.then, []
         for callback in callbacks:
             callback()
 
-    def _wait_works(self) -> None:
+    def _wait_works(self, needed: bool = True) -> None:
         self._landed, self.tickets = self.tickets, []
-        comm_account().waiting(self._landed)
+        if needed:
+            comm_account().waiting(self._landed)
         works, self.works = self.works, []
         events, self.events = self.events, []
         if works or events:

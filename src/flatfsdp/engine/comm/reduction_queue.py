@@ -23,6 +23,10 @@ from flatfsdp.engine.comm.collectives import Pending
 from flatfsdp.engine.layout.device import SideStream
 
 
+FOLLOW_UP_SLACK = 2
+"""Follow-ups (HSDP's and HFSDP's outer stage) in flight beyond the first-stage bound."""
+
+
 class ReductionQueue:
     def __init__(self, *, bucket_bytes: int, max_in_flight: int, stream: SideStream | None = None):
         self.bucket_bytes = bucket_bytes
@@ -53,10 +57,24 @@ class ReductionQueue:
         HFSDP's outer reduce-scatter) of reductions that have landed, oldest
         first and never past one that has not: every rank starts them in the
         same order, so they pair up across ranks whatever each rank's timing."""
+        self._retire_landed()
         for pending in self._in_flight:
+            if pending.chained and not self._room_for_a_follow_up():
+                break  # issued later, in order, once an older one is delivered
             pending.advance()
             if pending.chained:
-                return
+                break
+        self._retire_landed()
+
+    def _retire_landed(self) -> None:
+        """Deliver the oldest reductions that have landed, every stage of
+        them, in issue order: what they hold is released now, not when
+        backward ends. Under HFSDP each unit's inner-reduced chunk (fp32,
+        1/S of the unit) otherwise lived on beside every later unit's until
+        the optimizer step -- 4 P/S at the end of backward. Delivery is this
+        rank's own business (no collective), so ranks need not agree on when."""
+        while self._in_flight and self._in_flight[0].landed():
+            self._in_flight.popleft().retire()
 
     def drain_until(self, target: Pending) -> None:
         """Before ``target``'s follow-ups start, every older reduction's have."""
@@ -82,10 +100,19 @@ class ReductionQueue:
             member.drain = lambda: self.drain_until(pending)
         self._in_flight.append(pending)
         # Only first stages hold an unsharded gradient buffer: they are what
-        # the bound limits. A reduction whose follow-up travels (a slow outer
-        # link) holds a shard-sized result and does not stop backward.
+        # this bound limits. A reduction whose follow-up travels (a slow outer
+        # link) holds a shard-sized result: a looser bound of its own
+        # (``_room_for_a_follow_up``).
         while sum(not p.followed for p in self._in_flight) > self.max_in_flight:
             self._free_a_slot()
+
+    def _room_for_a_follow_up(self) -> bool:
+        """A follow-up holds its input, the first stage's shard-sized result
+        (HFSDP's inner-reduced fp32 chunk), until delivered: bounded too, a
+        little looser than first stages, so a slower outer link may lag
+        FOLLOW_UP_SLACK units behind before backward waits for it (FSDP2's
+        HSDP waits for the previous unit's)."""
+        return sum(p.followed for p in self._in_flight) < self.max_in_flight + FOLLOW_UP_SLACK
 
     def _free_a_slot(self) -> None:
         """Move the oldest first stage on: issue its follow-up (everything older
@@ -93,6 +120,9 @@ class ReductionQueue:
         for pending in self._in_flight:
             if not pending.followed:
                 if pending.chained:
+                    while not self._room_for_a_follow_up():
+                        # The oldest are the followed ones (follow-ups start in order).
+                        self._in_flight.popleft().wait()
                     pending.next_stage()
                 else:
                     pending.wait()

@@ -61,6 +61,11 @@ class SideStream:
             self.stream.wait_event(event)
 
 
+def event_done(event: "torch.Event | None") -> bool:
+    """Side-stream work marked by ``event`` has finished on the device (no block)."""
+    return event is None or event.query()
+
+
 def wait_event(event: "torch.Event | None") -> None:
     """Make the compute stream wait for side-stream work (no host block)."""
     if event is not None:
