@@ -150,3 +150,25 @@ def test_a_device_the_host_cannot_trace_on_falls_back_to_the_hosts_ops_and_says_
     assert "traced on fake CPU tensors" in note and "cuda" in note
     assert any(op.name == "_scaled_dot_product_flash_attention_for_cpu" for op in trace.ops)
     assert trace_for_prediction(cfg, "floor", "cpu")[1] == ""
+
+
+def test_a_probe_of_one_accelerator_prices_every_rank_as_that_device_on_the_named_links():
+    """One GPU measures no link (its probe runs one rank): a layout of many
+    ranks is each such a device, joined by the cluster's links -- not the
+    probe's loopback, which it never measured (priced at 0 GB/s it divided
+    by zero on an H200)."""
+    from flatfsdp.estimator.estimate import estimate
+    from flatfsdp.estimator.fabric import PRESETS
+    from flatfsdp.estimator.predict import Links, probed, time_rows
+
+    rows = estimate("gpt-tiny", [1, 8], micro_batch=2, seq_len=64, trace=True)
+    rates = OpRates(per_op_s=1e-6, overlapped=True, flop_s=1e-12, byte_s=1e-11)  # ops timed on a device
+    machine = MachineProbe(alone=rates, side_by_side=rates, ranks=1, cores=16)
+    cluster = Links(PRESETS["nvlink-h100"], PRESETS["ib-400"], 4)
+    compute, links = probed(machine, cluster)
+    assert links is cluster
+    world1, world8 = time_rows(rows, compute, links)
+    assert compute(rows[1][0]).slowdown == 1.0  # its own device, not a share of the probed one
+    assert type(links.fabric(rows[1][0])).__name__ == "Cluster"
+    # ZeRO-3 over 8 moves its weights over two nodes of 4: the step takes longer than one rank's.
+    assert world8.step_s > world1.step_s > 0

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="compute from this device's published throughput (default: h100)")
     time.add_argument("--probe", action="store_true",
                       help="compute from a probe of this machine instead (the model's unsharded step timed op by "
-                           "op) and its ranks on loopback (gloo): the model must run here")
+                           "op; the model must run here): on a CPU host, its ranks side by side on loopback (gloo); "
+                           "on an accelerator, every rank such a device, joined by --intra-link/--inter-link")
     time.add_argument("--ranks-per-node", type=int, default=8, metavar="N", help="ranks a node holds (default: 8)")
     time.add_argument("--intra-link", default="nvlink-h100", metavar="LINK",
                       help="the link inside a node: a preset (nvlink-h100, ib-400, ib-200, eth-100) or a rate in "

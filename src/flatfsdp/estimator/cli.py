@@ -21,15 +21,19 @@ from flatfsdp.estimator.rank_step import STRATEGIES, Layout
 def run(args) -> int:
     spec = resolve_model(args.model, units=args.units, recompute=args.recompute)
     predict = getattr(args, "predict", False)
+    device_type = _probed_device_type() if predict and args.probe else "cpu"
     rows = []
     for strategy in args.data_parallel_sharding_strategy:
         rows += estimate(spec, args.world_sizes, strategy=strategy, shard_size=args.hsdp_shard,
                          outer_sharding=args.hfsdp, tp=args.tensor_model_parallel_size, bf16=args.bf16,
                          reduce_bf16=args.grad_reduce_in_bf16, defer_reductions=args.defer_reductions,
                          param_gather_dtype=args.param_gather_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
-                         micro_batch=args.micro_batch_size, seq_len=args.seq_length, trace=predict)
+                         micro_batch=args.micro_batch_size, seq_len=args.seq_length, trace=predict,
+                         device_type=device_type)
     deepspeed = _deepspeed(spec, rows) if args.deepspeed else None
     predictions, picks, assumptions = _time(args, rows) if predict else (None, {}, [])
+    if device_type != "cpu":
+        assumptions.append(f"schedule: traced on fake {device_type} tensors, the ops the probe timed")
     if args.json:
         print(json.dumps(report.as_json(args.model, rows, deepspeed, predictions, picks)
                          | {"assumptions": assumptions}, indent=2))
@@ -56,21 +60,30 @@ def _time(args, rows: list) -> tuple[list, dict[int, int], list[str]]:
     from flatfsdp.estimator.devices import DEVICES
     from flatfsdp.estimator.predict import Links, parse_link, probed, recommend, time_rows
 
+    cluster = Links(parse_link(args.intra_link), parse_link(args.inter_link), args.ranks_per_node)
     if args.probe:
         from flatfsdp.estimator.probe import probe
         from flatfsdp.estimator.probe_steps import spec_step
 
         machine = probe([(spec_step, (args.model, args.micro_batch_size, args.seq_length, args.bf16, args.recompute))])
-        compute, links = probed(machine)
+        compute, links = probed(machine, cluster)  # the cluster's links where the probe timed an accelerator
     else:
         device = Throughput(DEVICES[args.device])
         compute = lambda layout: device  # noqa: E731
-        links = Links(parse_link(args.intra_link), parse_link(args.inter_link), args.ranks_per_node)
+        links = cluster
     predictions = time_rows(rows, compute, links)
     picks = recommend(rows, predictions, args.memory_gib * 2**30)
     fabric = links.fabric(rows[0][0])
     return predictions, picks, [compute(rows[0][0]).describe(), fabric.describe(),
                                 f"pick: the fastest layout whose peak fits {args.memory_gib:g} GiB"]
+
+
+def _probed_device_type() -> str:
+    """Where ``--probe`` times the model: the accelerator if there is one
+    (probe_steps.spec_step), else the CPU -- the device to trace the step on."""
+    import torch
+
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
 
 
 def _title(args, params: int) -> str:

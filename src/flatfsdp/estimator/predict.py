@@ -68,10 +68,18 @@ def time_rows(rows: list[tuple[Layout, RankFigures]], compute: Callable[[Layout]
     return out
 
 
-def probed(machine: MachineProbe) -> tuple[Callable[[Layout], ComputeModel], Links]:
-    """A probe's compute and links for a layout whose ranks all run on the probed
-    machine: alone at world 1, else side by side, slowed where they outnumber the
-    ranks the probe ran (its cores)."""
+def probed(machine: MachineProbe, cluster: Links | None = None) -> tuple[Callable[[Layout], ComputeModel], Links]:
+    """A probe's compute and links. A probe of a host's CPU: every rank of a
+    layout runs on the probed machine -- alone at world 1, else side by side,
+    slowed where they outnumber the ranks the probe ran (its cores), joined by
+    the loopback it measured. A probe of an accelerator (its ops timed on the
+    device): every rank is such a device, computing as the probed one did,
+    joined by ``cluster`` (a one-device probe measures no link)."""
+    if machine.alone.overlapped:
+        def on_device(layout: Layout) -> ComputeModel:
+            return Measured(machine.alone, source="probe of this machine's accelerator")
+        return on_device, cluster or Links()
+
     def slowdown(layout: Layout) -> float:
         return max(1.0, layout.world / machine.ranks)
 

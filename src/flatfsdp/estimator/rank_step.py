@@ -115,13 +115,13 @@ class Meter(Protocol):
     def step(self, known: list, resizable: list) -> contextlib.AbstractContextManager: ...
 
 
-def make_mesh(layout: Layout) -> tuple[DeviceMesh, dict]:
-    """The mesh and the fully_shard keywords naming its dimensions:
-    ``(dp_outer, dp_shard, tp)``, each only where it has more than one rank
-    (dp_shard always)."""
+def make_mesh(layout: Layout, device_type: str = "cpu") -> tuple[DeviceMesh, dict]:
+    """The mesh (of ``device_type``) and the fully_shard keywords naming its
+    dimensions: ``(dp_outer, dp_shard, tp)``, each only where it has more than
+    one rank (dp_shard always)."""
     dims = [("dp_outer", layout.replicas)] * (layout.replicas > 1) + [("dp_shard", layout.shard)]
     dims += [("tp", layout.tp)] * (layout.tp > 1)
-    mesh = init_device_mesh("cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
+    mesh = init_device_mesh(device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
     kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard")
     if layout.replicas > 1:
         kwargs["dp_outer_dim"] = "dp_outer"
