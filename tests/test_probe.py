@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from device_checks_estimator import TINY_LLAMA
 from flatfsdp.bench.options import parse
 from flatfsdp.bench.prediction import engine_overhead, engine_step, probe_step, workload_key
 from flatfsdp.estimator.compute_cost import Measured, OpRates, Throughput
@@ -118,10 +119,6 @@ def test_an_unsafe_view_moves_no_bytes():
     op = describe_op(torch.ops.aten._unsafe_view.default, (x, [4096]), {}, x.view(4096), "forward")
     assert (op.flops, op.nbytes) == (0, 0)
     assert Throughput(DEVICES["h200"]).seconds(op) == 0.0
-
-
-TINY_LLAMA = ("--preset gpu --num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 256 "
-              "--seq-length 64 --micro-batch-size 1").split()
 
 
 def test_the_schedule_is_traced_on_the_ops_the_device_runs():

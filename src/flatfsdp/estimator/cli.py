@@ -21,7 +21,10 @@ from flatfsdp.estimator.rank_step import STRATEGIES, Layout
 def run(args) -> int:
     spec = resolve_model(args.model, units=args.units, recompute=args.recompute)
     predict = getattr(args, "predict", False)
-    device_type = _probed_device_type() if predict and args.probe else "cpu"
+    device_type = "cpu"
+    if predict and args.probe:  # the step traced on the device the probe times it on
+        from flatfsdp.estimator.probe import probe_device
+        device_type = probe_device().type
     rows = []
     for strategy in args.data_parallel_sharding_strategy:
         rows += estimate(spec, args.world_sizes, strategy=strategy, shard_size=args.hsdp_shard,
@@ -76,14 +79,6 @@ def _time(args, rows: list) -> tuple[list, dict[int, int], list[str]]:
     fabric = links.fabric(rows[0][0])
     return predictions, picks, [compute(rows[0][0]).describe(), fabric.describe(),
                                 f"pick: the fastest layout whose peak fits {args.memory_gib:g} GiB"]
-
-
-def _probed_device_type() -> str:
-    """Where ``--probe`` times the model: the accelerator if there is one
-    (probe_steps.spec_step), else the CPU -- the device to trace the step on."""
-    import torch
-
-    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
 
 
 def _title(args, params: int) -> str:

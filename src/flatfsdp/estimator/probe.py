@@ -114,11 +114,18 @@ def probe(workloads: list[tuple[Callable, tuple]], *, ranks: int | None = None, 
                                                                "measured")})
 
 
+def probe_device() -> torch.device:
+    """Where a probe times the model: the accelerator if there is one, else the
+    CPU -- also the device whose ops the step is traced on (a model runs other
+    ops on another device)."""
+    return torch.device(torch.accelerator.current_accelerator().type) if torch.accelerator.is_available() \
+        else torch.device("cpu")
+
+
 def probe_rank(workloads: list[tuple[Callable, tuple]], steps: int, comm_mbytes: int, workload_s: float = 0.5,
                engine_workloads: list[tuple[str, Callable, tuple]] = ()) -> dict:
     """One probe rank (what ``probe`` launches)."""
-    device = torch.device(torch.accelerator.current_accelerator().type) if torch.accelerator.is_available() \
-        else torch.device("cpu")
+    device = probe_device()
     per_op = dispatch_seconds(device)
     overlapped = OpTimer(device).overlapped
     timed, overheads, step_s = [], [], []

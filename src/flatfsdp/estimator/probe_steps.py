@@ -11,14 +11,14 @@ import copy
 import torch
 
 from flatfsdp.estimator.models import resolve_model
+from flatfsdp.estimator.probe import probe_device
 from flatfsdp.models.gpt import lm_loss
 
 
 def spec_step(model: str, micro_batch: int, seq_len: int, bf16: bool, recompute: str):
     """One training step of ``model`` (a name ``resolve_model`` knows), built for real on this rank."""
     spec = resolve_model(model, recompute=recompute)
-    device = torch.device(torch.accelerator.current_accelerator().type) if torch.accelerator.is_available() \
-        else torch.device("cpu")
+    device = probe_device()
     main = spec.build().to_empty(device=device)
     with torch.no_grad():  # values do not change the time; small ones keep the loss finite
         for p in main.parameters():
