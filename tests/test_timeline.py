@@ -248,3 +248,15 @@ def test_estimate_time_flags():
         parse(["--probe"])
     with pytest.raises(ValueError, match="a preset"):
         parse_link("fast")
+
+
+def test_a_probed_link_moves_at_its_waiting_rate_or_its_computing_rate():
+    loopback = Link(100.0, 0.0)
+    world = log.Issued(1, "all_gather", 1_000_000_000, "world", 4)
+    nodes = Host(loopback, {}, Mesh(2, {"world": (4, 1)}), node_rate=100e6, link_rate_busy=50e6)
+    # A node's egress carries 2 ranks x 2 of their 3 quarters = 1 GB of it.
+    assert nodes.link_bytes(world, world.nbytes) == pytest.approx(1e9)
+    assert nodes.wire_seconds(world, world.nbytes, busy=False) == pytest.approx(10.0)
+    assert nodes.wire_seconds(world, world.nbytes, busy=True) == pytest.approx(20.0)
+    inside = log.Issued(2, "all_gather", 1_000_000_000, "dp_shard", 2)
+    assert Host(loopback, {}, Mesh(2, {"dp_shard": (2, 1)}), node_rate=100e6).link_bytes(inside, inside.nbytes) == 0

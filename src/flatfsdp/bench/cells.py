@@ -3,7 +3,7 @@ links are held to (issue 53), in one command, so it can be re-run as is on a
 quiet machine:
 
 * **predicted beside measured**: one probe of this machine (both batch
-  shapes, taken once, first), then each cell -- loopback small and large
+  shapes and each simulated link, taken once, first), then each cell -- loopback small and large
   batch at 1, 2 and 4 ranks; behind one 2 Gbit/s link, small and large, fp32
   and int8 weights + bf16 gradients; two nodes at 1 Gbit/s, ZeRO-3, HSDP and
   HFSDP -- benched with ``--predict --probe-file``: the prediction of every
@@ -66,12 +66,14 @@ PENALTY = (
 
 
 def probe_once(out: Path, extra: list[str]) -> Path:
-    """One probe of this machine for both batch shapes of the bench GPT; saved for every cell."""
+    """One probe of this machine for both batch shapes of the bench GPT, and of
+    each throttled link the cells run behind; saved for every cell."""
     from flatfsdp.bench.options import parse
     from flatfsdp.bench.prediction import probe_machine
 
     shapes = [parse(list(shape) + extra)[0] for shape in (SMALL, LARGE)]
-    machine = probe_machine(shapes[0], shapes)
+    links = [cfg for cfg in (parse(list(cell.argv) + extra)[0] for cell in PREDICTED) if cfg.link]
+    machine = probe_machine(shapes[0], shapes, links)
     path = out / "probe.json"
     path.write_text(json.dumps(machine.to_json()))
     return path

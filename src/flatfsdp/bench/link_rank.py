@@ -3,7 +3,8 @@ torchrun, inside a node's namespace):
 
     python -m flatfsdp.bench.link_rank CONFIG.json CONTENDER OUT.json
 
-One contender run, exactly as ``measure.run_contender`` does it on loopback;
+One contender run, exactly as ``measure.run_contender`` does it on loopback
+(or, as CONTENDER ``link-probe``, a probe of the link: link_probe.py);
 rank 0 writes the record to OUT.json for the bench outside the namespaces.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flatfsdp.bench.link_probe import LINK_PROBE, probe_link_rank
 from flatfsdp.bench.measure import run_contender
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.launch import launch
@@ -31,7 +33,10 @@ def main(argv: list[str]) -> int:
     config, name, out = argv
     cfg = BenchConfig.from_dict(json.loads(Path(config).read_text()))
     torch.set_num_threads(cfg.threads_per_rank)  # torchrun pins OMP_NUM_THREADS=1; the bench decides
-    record = launch(run_contender, cfg.nprocs, cfg, name, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    if name == LINK_PROBE:  # the link itself, before any run (link_probe.py)
+        record = launch(probe_link_rank, cfg.nprocs, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    else:
+        record = launch(run_contender, cfg.nprocs, cfg, name, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(record))
     dist.destroy_process_group()

@@ -8,7 +8,8 @@ the measurement: the estimator's time model (flatfsdp.estimator.timeline) on
   (``--predict``); or a named device's published throughput
   (``--predict-device h100``);
 * the run's links: loopback as probed, the ``--link`` token bucket, the two
-  simulated nodes' egress.
+  simulated nodes' egress -- each at the rate a probe of it measured
+  (link_probe.py) where the probe has one, else at its nominal rate.
 
 One probe serves every contender and every cell: nothing is fitted to a run.
 """
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from flatfsdp.bench.contenders import (FLATFSDP_MESH_NAMES, FLATFSDP_VARIANTS, hybrid_mesh, setup_floor,
                                        setup_flatfsdp_variant)
+from flatfsdp.bench.link_probe import link_key, probe_link
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.wire import parse_rate
 from flatfsdp.bench.workload import build_model, device, make_batches
@@ -66,16 +68,24 @@ def workload_key(cfg: BenchConfig) -> str:
             f"{'bf16' if cfg.bf16 else 'fp32'}")
 
 
-def probe_machine(cfg: BenchConfig, shapes: list[BenchConfig] | None = None) -> MachineProbe:
+def probe_machine(cfg: BenchConfig, shapes: list[BenchConfig] | None = None,
+                  links: list[BenchConfig] | None = None) -> MachineProbe:
     """This machine, for this bench's model at each batch shape of ``shapes``
     (default: its own), ranks side by side one per core, transfers as large as
-    the model's fp32 weights (16 to 128 MB), and the engine at one rank."""
+    the model's fp32 weights (16 to 128 MB), and the engine at one rank; and
+    the throttled link of each of ``links`` (default: ``cfg``'s, if it has one)
+    with its ranks behind it (link_probe.py)."""
     shapes = shapes or [cfg]
+    links = [cfg] if links is None and cfg.link else links or []
     with torch.device("meta"):
         weights = sum(p.numel() for p in build_model(cfg).parameters()) * 4
-    return probe([(probe_step, (c.as_dict(),)) for c in shapes], threads_per_rank=cfg.threads_per_rank,
-                 comm_mbytes=min(128, max(16, weights >> 20)),
-                 engine_workloads=[(workload_key(c), engine_step, (c.as_dict(),)) for c in shapes])
+    machine = probe([(probe_step, (c.as_dict(),)) for c in shapes], threads_per_rank=cfg.threads_per_rank,
+                    comm_mbytes=min(128, max(16, weights >> 20)),
+                    engine_workloads=[(workload_key(c), engine_step, (c.as_dict(),)) for c in shapes])
+    for link in links:
+        if link_key(link) not in machine.links:
+            machine.links[link_key(link)] = probe_link(link)
+    return machine
 
 
 def engine_overhead(cfg: BenchConfig, machine: MachineProbe) -> float:
@@ -153,11 +163,35 @@ def models_for(cfg: BenchConfig, name: str, machine: MachineProbe | None, device
     slowdown = 1.0 if alone else max(1.0, world / machine.ranks)
     compute = Measured(machine.alone if alone else machine.side_by_side, slowdown, source="probe of this machine",
                        engine_s=0.0 if name == "floor" else engine_s)
-    rate = parse_rate(cfg.link) if cfg.link and name != "floor" else None
+    rate, rate_busy = link_rates(cfg, machine) if name != "floor" else (None, None)
     fabric = Host(loopback(machine), machine.cpu_s_per_byte, mesh, shared_rate=rate if cfg.nodes == 1 else None,
-                  node_rate=rate if cfg.nodes > 1 else None, slowdown=slowdown, loopback_busy=loopback(machine, True),
-                  sum_s_per_byte=machine.sum_s_per_byte)
+                  node_rate=rate if cfg.nodes > 1 else None, link_rate_busy=rate_busy, slowdown=slowdown,
+                  loopback_busy=loopback(machine, True), sum_s_per_byte=machine.sum_s_per_byte)
     return compute, fabric
+
+
+def link_rates(cfg: BenchConfig, machine: MachineProbe) -> tuple[float | None, float | None]:
+    """The run's throttled link (None: none), bytes/s while the ranks wait and
+    while they compute: as probed (link_probe.py) where the probe has it, else
+    its nominal rate."""
+    if not cfg.link:
+        return None, None
+    probed = machine.links.get(link_key(cfg))
+    if probed is None:
+        return parse_rate(cfg.link), None
+    return probed["waiting_bytes_s"], probed["computing_bytes_s"]
+
+
+def link_note(cfg: BenchConfig, machine: MachineProbe | None) -> str:
+    """How the prediction took the run's link, for the assumptions printed."""
+    if not cfg.link or machine is None:
+        return ""
+    probed = machine.links.get(link_key(cfg))
+    if probed is None:
+        return f"the link ({link_key(cfg)}) at its nominal rate: not probed"
+    return (f"the link ({link_key(cfg)}) as probed: {probed['waiting_bytes_s'] / 1e6:.0f} MB/s while the ranks "
+            f"wait, {probed['computing_bytes_s'] / 1e6:.0f} while they compute, of "
+            f"{probed['nominal_bytes_s'] / 1e6:.0f} nominal")
 
 
 def predict_runs(cfg: BenchConfig, machine: MachineProbe | None, device_name: str | None = None
@@ -176,6 +210,6 @@ def predict_runs(cfg: BenchConfig, machine: MachineProbe | None, device_name: st
             continue
         compute, fabric = models_for(cfg, name, machine, device_name, engine_s)
         prediction: Prediction = replay(trace, compute, fabric)
-        out[name] = dict(prediction.to_json(),
-                         assumptions=[compute.describe(), fabric.describe()] + ([traced_on] if traced_on else []))
+        notes = [traced_on] + ([link_note(cfg, machine)] if name != "floor" and device_name is None else [])
+        out[name] = dict(prediction.to_json(), assumptions=[compute.describe(), fabric.describe()] + [n for n in notes if n])
     return out

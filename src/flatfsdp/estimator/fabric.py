@@ -107,6 +107,10 @@ class Host:
     """Bytes/s of one token bucket all ranks' traffic shares (``--link``, one node)."""
     node_rate: float | None = None
     """Bytes/s of each node's egress (``--link`` with ``--nnodes 2``)."""
+    link_rate_busy: float | None = None
+    """Bytes/s the throttled link (shared or between nodes) carries while the
+    ranks compute, where a probe of the link measured it; None: as while they
+    wait (``shared_rate``/``node_rate``)."""
     slowdown: float = 1.0
     """Ranks sharing the cores beyond one a core: CPU work takes this much longer."""
     loopback_busy: Link | None = None
@@ -126,15 +130,25 @@ class Host:
             return 0.0
         loop = self.loopback_busy if busy and self.loopback_busy is not None else self.loopback
         took = (loop.latency_s + sent / (loop.gbytes_s * 1e9)) * self.slowdown
+        throttled = self.link_bytes(record, nbytes)
+        if throttled:
+            rate = self.link_rate_busy if busy and self.link_rate_busy else (self.shared_rate or self.node_rate)
+            took = max(took, self.loopback.latency_s + throttled / rate)
+        return took
+
+    def link_bytes(self, record: schedule_log.Issued, nbytes: int) -> float:
+        """Bytes of ``nbytes`` of collective ``record`` that cross the throttled
+        link (0 when none does): all ranks' through the one shared bucket, or
+        what one node's egress carries."""
+        sent = ring_bytes(record, nbytes)
         if self.shared_rate is not None:
-            took = max(took, self.loopback.latency_s + record.group_size * sent / self.shared_rate)
+            return record.group_size * sent
         if self.node_rate is not None and self.mesh.spans_nodes(record):
             # Every rank of a node runs the same collective over its own group (SPMD):
             # the node's egress carries each one's bytes to members on other nodes.
             g, here = record.group_size, self.mesh.members_per_node(record)
-            egress = self.mesh.ranks_per_node * sent * (g - here) / (g - 1)
-            took = max(took, self.loopback.latency_s + egress / self.node_rate)
-        return took
+            return self.mesh.ranks_per_node * sent * (g - here) / (g - 1)
+        return 0.0
 
     def host_seconds(self, record: schedule_log.Issued, nbytes: int) -> float:
         summed = record.kind == "reduce_scatter"
@@ -153,10 +167,12 @@ class Host:
                 + ", ".join(f"{k} {v * 1e9:.2f} s/GB" for k, v in self.cpu_s_per_byte.items()))
         if self.slowdown != 1:
             text += f"; x{self.slowdown:.2f} for ranks sharing the cores"
+        busy_rate = f" ({self.link_rate_busy / 1e6:.0f} computing)" if self.link_rate_busy else ""
         if self.shared_rate is not None:
-            text += f"; behind one link of {self.shared_rate / 1e6:.0f} MB/s shared by every rank"
+            text += f"; behind one link of {self.shared_rate / 1e6:.0f} MB/s{busy_rate} shared by every rank"
         if self.node_rate is not None:
-            text += f"; nodes of {self.mesh.ranks_per_node} joined by {self.node_rate / 1e6:.0f} MB/s each way"
+            text += (f"; nodes of {self.mesh.ranks_per_node} joined by {self.node_rate / 1e6:.0f} MB/s{busy_rate} "
+                     "each way")
         return text
 
 

@@ -61,6 +61,10 @@ class MachineProbe:
     """By workload: the step of the model sharded by the engine at one rank
     (nothing to communicate), timed: what the engine's host work beyond its
     ops (hooks, buffer allocations) costs is that minus its ops' time."""
+    links: dict[str, dict] = field(default_factory=dict)
+    """Throttled links probed on this machine (the bench's simulated ones), by
+    ``bench.link_probe.link_key``: what each carried of the engine's exchanges,
+    bytes/s while the ranks wait and while they compute, beside its nominal rate."""
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("alone", "side_by_side")}
