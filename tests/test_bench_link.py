@@ -296,6 +296,11 @@ def test_the_cells_report_holds_each_prediction_to_ten_percent():
     results = {"cell": dict(summary=dict(rows={"flatfsdp": row, "fsdp2": penalty, "other": far}),
                             load=[[1.0, 0, 0], [2.0, 0, 0]])}
     assert predicted_rows(results) == [
-        "| cell | flatfsdp | 1.000 (0.900-1.100) | 1.080 | +8.0% | yes | 0.150 / 0.200 | 1.00 -> 2.00 |",
-        "| cell | flatfsdp | 1.000 (0.900-1.100) | 0.800 | -20.0% | **no** | 0.000 / 0.200 | 1.00 -> 2.00 |"]
+        "| cell | flatfsdp | 1.000 (0.900-1.100) | 1.080 | +8.0% | yes | -- | 0.150 / 0.200 | 1.00 -> 2.00 |",
+        "| cell | flatfsdp | 1.000 (0.900-1.100) | 0.800 | -20.0% | **no** | -- | 0.000 / 0.200 | 1.00 -> 2.00 |"]
+    # Beside a floor predicted 20% high in the same cell, +8% is the machine's drift less 10% of the model's.
+    floor = dict(row, label="floor", prediction_error=0.2, exposed_s=None)
+    results["cell"]["summary"]["rows"]["floor"] = floor
+    assert predicted_rows(results)[0].split(" | ")[6:8] == ["-10.0%", "0.150 / 0.200"]
+    assert predicted_rows(results)[2].split(" | ")[6] == "--"
     assert penalty_rows(results) == ["| cell | FSDP2 | 2.200 | 2.000 | 1.000 | 1.100 x | 1.100 x | 1.00 -> 2.00 |"]
