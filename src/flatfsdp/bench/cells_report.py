@@ -15,7 +15,8 @@ def _net_of_floor(rows: dict, name: str, error: float) -> str:
     """The error beside the floor's in the same cell: the floor has no
     communication and no engine, so its own error is how far this machine
     drifted from its probe (another job's load, its speed of the moment);
-    what is left is the model's."""
+    where compute makes the step, what is left is the model's. Behind a slow
+    link the step is the link's, and the floor's drift does not carry over."""
     floor = rows.get("floor", {})
     if name == "floor" or "prediction_error" not in floor:
         return "--"
