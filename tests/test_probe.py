@@ -37,6 +37,9 @@ def test_a_probe_times_the_models_ops_and_what_moving_bytes_costs():
     assert all(v >= 0 for v in machine.cpu_s_per_byte.values())
     # The engine's own step at one rank, and what it costs beyond its ops (never negative).
     assert set(machine.engine_step_s) == {workload_key(cfg)} and machine.engine_step_s[workload_key(cfg)] > 0
+    # Timed at both ends of the probe, the faster kept (a passing load only adds time).
+    each = machine.engine_step_each_s[workload_key(cfg)]
+    assert len(each) == 2 and machine.engine_step_s[workload_key(cfg)] == min(each)
     assert engine_overhead(cfg, machine) >= 0
     # The probe is kept as JSON (the bench's --probe-file) and comes back the same.
     again = MachineProbe.from_json(json.loads(json.dumps(machine.to_json())))
