@@ -3,8 +3,8 @@ links are held to (issue 53), in one command, so it can be re-run as is on a
 quiet machine:
 
 * **predicted beside measured**: one probe of this machine (both batch
-  shapes and each simulated link, taken once, first), then each cell -- loopback small and large
-  batch at 1, 2 and 4 ranks; behind one 2 Gbit/s link, small and large, fp32
+  shapes and each simulated link, taken once, first), then each cell --
+  loopback small and large batch at 1, 2 and 4 ranks; behind one 2 Gbit/s link, small and large, fp32
   and int8 weights + bf16 gradients; two nodes at 1 Gbit/s, ZeRO-3, HSDP and
   HFSDP -- benched with ``--predict --probe-file``: the prediction of every
   flatfsdp run (and the floor's) beside its measurement;

@@ -9,8 +9,8 @@ cores): 87 to 121 MB/s of the nominal 125 in five exchanges measured on
 place, behind the same namespaces, post the engine's exchange
 (``estimator.probe_comm``) while they wait and while they compute; the bytes
 that crossed the throttled link (counted as the model counts them,
-``fabric.Host.link_bytes``) over the time they took give its rate of each
-kind. Probed once, before any run, and saved with the machine's probe.
+``fabric.Host.link_bytes``) over the time they took give its rate. Probed
+once, before any run, and saved with the machine's probe.
 """
 
 from __future__ import annotations

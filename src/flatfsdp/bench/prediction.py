@@ -211,5 +211,6 @@ def predict_runs(cfg: BenchConfig, machine: MachineProbe | None, device_name: st
         compute, fabric = models_for(cfg, name, machine, device_name, engine_s)
         prediction: Prediction = replay(trace, compute, fabric)
         notes = [traced_on] + ([link_note(cfg, machine)] if name != "floor" and device_name is None else [])
-        out[name] = dict(prediction.to_json(), assumptions=[compute.describe(), fabric.describe()] + [n for n in notes if n])
+        out[name] = dict(prediction.to_json(),
+                         assumptions=[compute.describe(), fabric.describe()] + [n for n in notes if n])
     return out
