@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from flatfsdp.bench.link_probe import LINK_PROBE_MBYTES, link_key, link_rates, probe_link
+from flatfsdp.bench.link_probe import LINK_PROBE_MBYTES, carried_rates, link_key, probe_link
 from flatfsdp.bench.netsim import missing_for_link
 from flatfsdp.bench.options import parse
 from flatfsdp.bench.prediction import link_note, models_for
@@ -26,7 +26,7 @@ def test_two_nodes_rate_counts_what_crosses_between_them():
     cfg = parse(["--nnodes", "2", "--link", "1gbit", "--nproc-per-node", "2"])[0]
     # Each rank sends 3 quarters of 64 MB (48 MB) to its 3 peers at 0.06 GB/s: 0.8 s. The two
     # ranks of a node each send 2 quarters across: 64 MB through the node's egress in 0.8 s.
-    rates = link_rates(cfg, 64 * MB, _measured(0.06, 0.03))
+    rates = carried_rates(cfg, 64 * MB, _measured(0.06, 0.03))
     assert rates["nominal_bytes_s"] == 125e6
     assert rates["waiting_bytes_s"] == pytest.approx(0.06e9 * 4 / 3)
     assert rates["computing_bytes_s"] == pytest.approx(0.03e9 * 4 / 3)
@@ -36,7 +36,7 @@ def test_two_nodes_rate_counts_what_crosses_between_them():
 def test_one_shared_link_counts_both_ranks_bytes():
     cfg = parse(["--link", "2gbit", "--nproc-per-node", "2"])[0]
     # Both ranks' halves go through the one bucket: twice what one rank sent.
-    rates = link_rates(cfg, 64 * MB, _measured(0.125, 0.1))
+    rates = carried_rates(cfg, 64 * MB, _measured(0.125, 0.1))
     assert rates["waiting_bytes_s"] == pytest.approx(0.25e9)
     assert rates["computing_bytes_s"] == pytest.approx(0.2e9)
     assert link_key(cfg) == "2gbit, 1 node of 2"

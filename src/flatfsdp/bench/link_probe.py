@@ -50,10 +50,10 @@ def probe_link(cfg: BenchConfig) -> dict:
     require_link_support()
     with Network(cfg.link, cfg.nodes) as net, tempfile.TemporaryDirectory(prefix="flatfsdp-link-probe-") as workdir:
         measured = LinkRuns(net, cfg, Path(workdir)).behind_link(cfg, LINK_PROBE)
-    return link_rates(cfg, LINK_PROBE_MBYTES << 20, measured)
+    return carried_rates(cfg, LINK_PROBE_MBYTES << 20, measured)
 
 
-def link_rates(cfg: BenchConfig, nbytes: int, measured: dict) -> dict:
+def carried_rates(cfg: BenchConfig, nbytes: int, measured: dict) -> dict:
     """Bytes/s the throttled link carried of an exchange of ``nbytes`` over
     every rank, while the ranks waited and while they computed, from probe_comm's
     rates (GB/s each rank sent)."""

@@ -176,17 +176,22 @@ def link_rates(cfg: BenchConfig, machine: MachineProbe) -> tuple[float | None, f
     its nominal rate."""
     if not cfg.link:
         return None, None
-    probed = machine.links.get(link_key(cfg))
+    probed = _probed_link(cfg, machine)
     if probed is None:
         return parse_rate(cfg.link), None
     return probed["waiting_bytes_s"], probed["computing_bytes_s"]
+
+
+def _probed_link(cfg: BenchConfig, machine: MachineProbe) -> dict | None:
+    """The probe of the run's link (link_probe.carried_rates), if the machine's probe has one."""
+    return machine.links.get(link_key(cfg))
 
 
 def link_note(cfg: BenchConfig, machine: MachineProbe | None) -> str:
     """How the prediction took the run's link, for the assumptions printed."""
     if not cfg.link or machine is None:
         return ""
-    probed = machine.links.get(link_key(cfg))
+    probed = _probed_link(cfg, machine)
     if probed is None:
         return f"the link ({link_key(cfg)}) at its nominal rate: not probed"
     return (f"the link ({link_key(cfg)}) as probed: {probed['waiting_bytes_s'] / 1e6:.0f} MB/s while the ranks "
