@@ -71,6 +71,25 @@ def test_predictions_stand_beside_the_runs_they_predict(results):
     assert rows["flatfsdp"]["predicted"]["busy"]["loopback"] > 0 and not rows["floor"]["predicted"]["busy"]
 
 
+def test_each_rank_s_host_cpu_is_split_by_thread(results):
+    """bench/host_cpu.py: every run records each rank's main-thread and
+    other-thread CPU of a median step; the summary is their mean over ranks,
+    and the prediction table shows it beside the predicted compute."""
+    for run in results["runs"]:
+        cpu = run["host_cpu_s"]
+        assert len(cpu) == 2 and all(main > 0 and other >= 0 for main, other in cpu), run["contender"]
+        # One rank's CPU in a step: its main thread cannot run longer than the step itself.
+        assert max(main for main, _ in cpu) <= max(run["step_times"]) * 1.05
+    rows = results["summary"]["rows"]
+    for name, row in rows.items():
+        run = next(r for r in results["runs"] if r["contender"] == name)
+        assert row["host_cpu_s"] == pytest.approx([sum(rank[i] for rank in run["host_cpu_s"]) / 2 for i in range(2)])
+    from flatfsdp.bench.prediction_table import prediction_table
+    table = prediction_table(results["summary"])
+    main, other = rows["flatfsdp"]["host_cpu_s"]
+    assert "main thread / other threads" in table and f"{main:.3f} / {other:.3f}" in table
+
+
 def test_results_have_every_field(results):
     assert set(results) == {"config", "environment", "summary", "runs"}
     rows = results["summary"]["rows"]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from flatfsdp.bench.comm_bytes import CollectiveBytes
 from flatfsdp.bench.contenders import REGISTRY, Trainer
+from flatfsdp.bench.host_cpu import HostCpu
 from flatfsdp.bench.link_counters import LinkProbe, NodeLayout
 from flatfsdp.bench.memory import PeakMemory
 from flatfsdp.bench.netsim import link_device
@@ -42,13 +43,18 @@ def _warm_up(trainer: Trainer, batches: list, warmup: int) -> tuple[list[float],
     return losses, counted
 
 
-def _timed(trainer: Trainer, batches: list, dev: torch.device) -> tuple[list[float], list[float]]:
+def _timed(trainer: Trainer, batches: list, dev: torch.device,
+           cpu: HostCpu | None = None) -> tuple[list[float], list[float]]:
     times, losses = [], []
     for x, y in batches:
+        if cpu is not None:
+            cpu.start()
         start = time.perf_counter()
         loss = trainer.step(x, y)
         _sync(dev)
         times.append(time.perf_counter() - start)
+        if cpu is not None:
+            cpu.stop()
         losses.append(loss.item())
     return times, losses
 
@@ -106,7 +112,8 @@ def run_contender(cfg: BenchConfig, name: str) -> dict:
     link = None
     if cfg.link:
         link = LinkProbe(link_device(cfg.nodes), NodeLayout.from_env(rank, world), trainer.account, dev)
-    times, losses = _timed(trainer, batches[cfg.warmup:], dev)
+    cpu = HostCpu()
+    times, losses = _timed(trainer, batches[cfg.warmup:], dev, cpu)
     link_bytes = link.finish(cfg.steps) if link else None
     engine_bytes = _per_step_engine_bytes(trainer.account, cfg.steps)
     exposed = _exposed_per_step(trainer.account, cfg.steps, dev)
@@ -114,8 +121,21 @@ def run_contender(cfg: BenchConfig, name: str) -> dict:
     return _gather(dict(
         contender=name, n_params=n_params, world=world, stage=trainer.stage, device=str(dev),
         memory_method=probe.method, torch_bytes=torch_bytes, engine_bytes=engine_bytes, link=link_bytes,
-        exposed=exposed,
+        exposed=exposed, host_cpu_s=_per_rank(cpu.medians(), dev),
     ), times, warm_losses + losses, peak, dev)
+
+
+def _per_rank(mine: list[float] | None, dev: torch.device) -> list[list[float]] | None:
+    """Each rank's ``[main thread, other threads]`` CPU seconds, indexed by rank
+    (one all-reduce); None unless every rank measured them."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    table = torch.zeros(world, 3, dtype=torch.float64, device=dev)
+    if mine is not None:
+        table[rank] = torch.tensor([*mine, 1.0], dtype=torch.float64, device=dev)
+    dist.all_reduce(table)
+    if table[:, 2].sum().item() < world:
+        return None
+    return table[:, :2].tolist()
 
 
 def _gather(record: dict, times: list[float], losses: list[float], peak: int, dev: torch.device) -> dict:

@@ -26,13 +26,15 @@ def _row(row: dict) -> str | None:
     if predicted is None:
         return None
     if "error" in predicted:
-        return f"| {row['label']} | {row['step_s']:.3f} | not predicted: {predicted['error']} | | | | | | |"
+        return f"| {row['label']} | {row['step_s']:.3f} | not predicted: {predicted['error']} | | | | | | | |"
     waited = "--" if row.get("exposed_s") is None else f"{row['exposed_s']:.3f}"
+    cpu = row.get("host_cpu_s")
+    measured_cpu = "--" if cpu is None else f"{cpu[0]:.3f} / {cpu[1]:.3f}"
     phases = predicted["by_phase"]
     return (f"| {row['label']} | {row['step_s']:.3f} | {predicted['step_s']:.3f} "
             f"| {100 * row['prediction_error']:+.1f}% "
             f"| {predicted['compute_s']:.3f} ({phases.get('engine', 0):.3f}) | {predicted['host_comm_s']:.3f} "
-            f"| {_exposed(predicted)} | {waited} | {predicted['tflops']:.3g} |")
+            f"| {measured_cpu} | {_exposed(predicted)} | {waited} | {predicted['tflops']:.3g} |")
 
 
 def prediction_table(summary: dict) -> str:
@@ -44,7 +46,10 @@ def prediction_table(summary: dict) -> str:
     lines = ["Predicted beside measured (flatfsdp.estimator: the engine's schedule from a fake-world run of the "
              "same setup, replayed on the compute and link models below):", "",
              "| contender | measured step s | predicted step s | error | predicted compute s (engine ops) "
-             "| predicted host CPU for comm s | predicted exposed comm s (by link) | measured host waited s "
-             "| predicted model TFLOP/s/rank |",
-             "|---|---|---|---|---|---|---|---|---|"] + rows
-    return "\n".join(lines + [""] + [f"* {a}" for a in assumptions])
+             "| predicted host CPU for comm s | measured CPU s, main thread / other threads "
+             "| predicted exposed comm s (by link) | measured host waited s | predicted model TFLOP/s/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"] + rows
+    notes = ["measured CPU: a median step's, the mean over ranks (bench/host_cpu.py). Where ranks fill the cores, "
+             "the main thread's is what the predicted compute models, the other threads' (gloo's) what the "
+             "predicted host CPU for comm does"]
+    return "\n".join(lines + [""] + [f"* {a}" for a in assumptions + notes])

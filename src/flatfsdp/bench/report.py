@@ -57,6 +57,7 @@ def summarise_contender(name: str, runs: list[dict], cfg: BenchConfig) -> dict:
         comm=_comm(last, cfg), memory_method=last["memory_method"], n_params=last["n_params"],
         link=last.get("link"),
         exposed_s=_median_exposed(runs), exposed_by_kind=(last.get("exposed") or {}),
+        host_cpu_s=_median_host_cpu(runs),
         **_no_link(runs),
     )
 
@@ -71,6 +72,16 @@ def _no_link(runs: list[dict]) -> dict:
     no_link = statistics.median(medians)
     return dict(no_link_step_s=no_link, no_link_range=[min(medians), max(medians)], link_penalty=step_s / no_link,
                 no_link_exposed_s=_median_exposed(plain))
+
+
+def _median_host_cpu(runs: list[dict]) -> list[float] | None:
+    """[main thread, other threads] CPU seconds of a step (host_cpu.py): the mean
+    over ranks, the median over runs; None where a run did not measure it."""
+    per_run = [r.get("host_cpu_s") for r in runs]
+    if not per_run or any(p is None for p in per_run):
+        return None
+    means = [[statistics.mean(rank[i] for rank in ranks) for i in range(2)] for ranks in per_run]
+    return [statistics.median(m[i] for m in means) for i in range(2)]
 
 
 def _median_exposed(runs: list[dict]) -> float | None:
