@@ -289,18 +289,22 @@ def test_the_cells_report_holds_each_prediction_to_ten_percent():
     for cell in PREDICTED + PENALTY:
         parse(list(cell.argv))
     row = dict(label="flatfsdp", step_s=1.0, step_s_range=[0.9, 1.1], exposed_s=0.2, prediction_error=0.08,
-               predicted=dict(step_s=1.08, exposed={"link": 0.15}))
-    far = dict(row, prediction_error=-0.2, predicted=dict(step_s=0.8, exposed={}))
+               host_cpu_s=[0.7, 0.1], predicted=dict(step_s=1.08, exposed={"link": 0.15}, compute_s=0.6,
+                                                     host_comm_s=0.12))
+    far = dict(row, prediction_error=-0.2, host_cpu_s=None,
+               predicted=dict(step_s=0.8, exposed={}, compute_s=0.5, host_comm_s=0.0))
     penalty = dict(label="FSDP2", step_s=2.2, no_link_step_s=2.0,
                    wire=dict(wire_s=1.0, penalty=1.1, penalty_vs_wire=1.1))
     results = {"cell": dict(summary=dict(rows={"flatfsdp": row, "fsdp2": penalty, "other": far}),
                             load=[[1.0, 0, 0], [2.0, 0, 0]])}
     assert predicted_rows(results) == [
-        "| cell | flatfsdp | 1.000 (0.900-1.100) | 1.080 | +8.0% | yes | -- | 0.150 / 0.200 | 1.00 -> 2.00 |",
-        "| cell | flatfsdp | 1.000 (0.900-1.100) | 0.800 | -20.0% | **no** | -- | 0.000 / 0.200 | 1.00 -> 2.00 |"]
+        "| cell | flatfsdp | 1.000 (0.900-1.100) | 1.080 | +8.0% | yes | -- | 0.600 / 0.700; 0.120 / 0.100 "
+        "| 0.150 / 0.200 | 1.00 -> 2.00 |",
+        "| cell | flatfsdp | 1.000 (0.900-1.100) | 0.800 | -20.0% | **no** | -- | 0.500 / --; 0.000 / -- "
+        "| 0.000 / 0.200 | 1.00 -> 2.00 |"]
     # Beside a floor predicted 20% high in the same cell, +8% is the machine's drift less 10% of the model's.
     floor = dict(row, label="floor", prediction_error=0.2, exposed_s=None)
     results["cell"]["summary"]["rows"]["floor"] = floor
-    assert predicted_rows(results)[0].split(" | ")[6:8] == ["-10.0%", "0.150 / 0.200"]
+    assert predicted_rows(results)[0].split(" | ")[6:9] == ["-10.0%", "0.600 / 0.700; 0.120 / 0.100", "0.150 / 0.200"]
     assert predicted_rows(results)[2].split(" | ")[6] == "--"
     assert penalty_rows(results) == ["| cell | FSDP2 | 2.200 | 2.000 | 1.000 | 1.100 x | 1.100 x | 1.00 -> 2.00 |"]

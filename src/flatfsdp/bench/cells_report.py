@@ -23,6 +23,15 @@ def _net_of_floor(rows: dict, name: str, error: float) -> str:
     return f"{100 * ((1 + error) / (1 + floor['prediction_error']) - 1):+.1f}%"
 
 
+def _cpu(predicted: dict, row: dict) -> str:
+    """The step's host CPU, predicted / measured (bench/host_cpu.py): the main
+    thread's against the predicted compute, the other threads' against the
+    predicted host CPU of communication."""
+    cpu = row.get("host_cpu_s")
+    main, other = ("--", "--") if cpu is None else (f"{cpu[0]:.3f}", f"{cpu[1]:.3f}")
+    return f"{predicted['compute_s']:.3f} / {main}; {predicted['host_comm_s']:.3f} / {other}"
+
+
 def predicted_rows(results: dict[str, dict]) -> list[str]:
     rows = []
     for cell, result in results.items():
@@ -33,7 +42,7 @@ def predicted_rows(results: dict[str, dict]) -> list[str]:
             lo, hi = row["step_s_range"]
             if "error" in predicted:
                 rows.append(f"| {cell} | {row['label']} | {row['step_s']:.3f} ({lo:.3f}-{hi:.3f}) "
-                            f"| not predicted: {predicted['error']} | | | | | {_load(result)} |")
+                            f"| not predicted: {predicted['error']} | | | | | | {_load(result)} |")
                 continue
             exposed = sum(predicted["exposed"].values())
             waited = "--" if row.get("exposed_s") is None else f"{row['exposed_s']:.3f}"
@@ -41,7 +50,7 @@ def predicted_rows(results: dict[str, dict]) -> list[str]:
             rows.append(f"| {cell} | {row['label']} | {row['step_s']:.3f} ({lo:.3f}-{hi:.3f}) "
                         f"| {predicted['step_s']:.3f} | {100 * row['prediction_error']:+.1f}% | {ok} "
                         f"| {_net_of_floor(result['summary']['rows'], name, row['prediction_error'])} "
-                        f"| {exposed:.3f} / {waited} | {_load(result)} |")
+                        f"| {_cpu(predicted, row)} | {exposed:.3f} / {waited} | {_load(result)} |")
     return rows
 
 
@@ -63,9 +72,9 @@ def write_report(path: Path, predicted: list[str], penalty: list[str]) -> str:
     if predicted:
         parts += ["Predicted beside measured (one probe, taken first; nothing fitted per cell):", "",
                   "| cell | contender | measured step s (run range) | predicted s | error | within 10% "
-                  "| error net of the floor's | exposed comm s, predicted / measured host waits "
-                  "| load average, before -> after |",
-                  "|---|---|---|---|---|---|---|---|---|"] + predicted + [""]
+                  "| error net of the floor's | CPU s, predicted / measured: main thread; other threads "
+                  "| exposed comm s, predicted / measured host waits | load average, before -> after |",
+                  "|---|---|---|---|---|---|---|---|---|---|"] + predicted + [""]
     if penalty:
         parts += ["Link penalty behind 2 Gbit/s (each contender against its own run without the link, same rounds):",
                   "", "| cell | contender | step behind s | step without s | wire limit s | penalty "
