@@ -9,11 +9,12 @@ waited with nothing to do -- which splits a time model's error into its
 compute, its host cost of communication and its waits (prediction_table.py).
 Measured 2026-11-28, small-batch GPT, 2 ranks on the 2-core host: the floor's
 main thread 0.36-0.40 s a step with the other threads at 0.00-0.02; flatfsdp's
-main thread 0.40-0.49 s, other threads 0.08-0.10 s, for 174 MB each rank sent.
+main thread 0.40-0.49 s, other threads 0.06-0.11 s, for the 174 MB each rank sent.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 try:
@@ -54,5 +55,4 @@ class HostCpu:
         """[main thread, other threads] CPU seconds of a median step, or None where not measured."""
         if not self.main_s:
             return None
-        import statistics
         return [statistics.median(self.main_s), statistics.median(self.other_s)]

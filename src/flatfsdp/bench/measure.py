@@ -121,11 +121,11 @@ def run_contender(cfg: BenchConfig, name: str) -> dict:
     return _gather(dict(
         contender=name, n_params=n_params, world=world, stage=trainer.stage, device=str(dev),
         memory_method=probe.method, torch_bytes=torch_bytes, engine_bytes=engine_bytes, link=link_bytes,
-        exposed=exposed, host_cpu_s=_per_rank(cpu.medians(), dev),
+        exposed=exposed, host_cpu_s=_host_cpu_by_rank(cpu.medians(), dev),
     ), times, warm_losses + losses, peak, dev)
 
 
-def _per_rank(mine: list[float] | None, dev: torch.device) -> list[list[float]] | None:
+def _host_cpu_by_rank(mine: list[float] | None, dev: torch.device) -> list[list[float]] | None:
     """Each rank's ``[main thread, other threads]`` CPU seconds, indexed by rank
     (one all-reduce); None unless every rank measured them."""
     world, rank = dist.get_world_size(), dist.get_rank()
