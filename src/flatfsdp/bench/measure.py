@@ -43,18 +43,15 @@ def _warm_up(trainer: Trainer, batches: list, warmup: int) -> tuple[list[float],
     return losses, counted
 
 
-def _timed(trainer: Trainer, batches: list, dev: torch.device,
-           cpu: HostCpu | None = None) -> tuple[list[float], list[float]]:
+def _timed(trainer: Trainer, batches: list, dev: torch.device, cpu: HostCpu) -> tuple[list[float], list[float]]:
     times, losses = [], []
     for x, y in batches:
-        if cpu is not None:
-            cpu.start()
+        cpu.start()
         start = time.perf_counter()
         loss = trainer.step(x, y)
         _sync(dev)
         times.append(time.perf_counter() - start)
-        if cpu is not None:
-            cpu.stop()
+        cpu.stop()
         losses.append(loss.item())
     return times, losses
 
