@@ -20,5 +20,7 @@ Files, one concept each:
 * behind a throttled link (``--link``, ``--nnodes 2``): ``netsim`` (the namespaces, made by
   its netsim_scripts), ``link_runs`` (each run as torchrun per node inside them), ``link_rank``
   (what those ranks run), ``link_counters`` (crossing bytes: interface counters and the
-  engine's per-peer account), ``wire`` (the wire limit) and ``wire_table``.
+  engine's per-peer account), ``wire`` (the wire limit) and ``wire_table``; with
+  ``--link-timeline``, ``link_sampler`` (the link's counter every 2 ms, a process of its
+  own), ``link_activity`` (when in a step the link sat idle) and ``timeline_table``.
 """

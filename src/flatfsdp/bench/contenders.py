@@ -8,7 +8,7 @@ instead of failing the whole benchmark.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 
 from flatfsdp.bench import ds
 from flatfsdp.bench.floor import FloorTrainer
+from flatfsdp.bench.link_activity import StepMarks
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.theory import STRATEGY_STAGE
 from flatfsdp.bench.workload import build_optimizer, schedule_embedding_units, unit_classes, unit_modules
@@ -30,16 +31,24 @@ class Trainer:
     """ZeRO stage whose theory applies (None: no communication at all)."""
     account: object | None = None
     """The engine's own byte account (reset() / snapshot()), if it keeps one."""
+    marks: StepMarks = field(default_factory=StepMarks)
+    """Where ``step`` marks its phases (off unless ``--link-timeline`` turns it on;
+    a step that marks none is timed whole)."""
 
 
-def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer):
+def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Trainer:
+    marks = StepMarks()
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = model(x, targets=y)
+        marks.note("loss")
         loss.backward()
+        marks.note("backward")
         optimizer.step()
+        marks.note("optimizer")
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
-    return step
+    return Trainer(step, stage=3, marks=marks)
 
 
 def setup_floor(model: nn.Module, cfg: BenchConfig) -> Trainer:
@@ -83,7 +92,7 @@ def setup_fsdp2(model: nn.Module, cfg: BenchConfig, compile_model: bool = False,
     schedule_embedding_units(model)
     # FSDP2 swaps parameters for DTensors: its optimizer is built after sharding.
     optimizer = build_optimizer(model.parameters(), cfg)
-    return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer), stage=3)
+    return _plain_step(_maybe_compiled(model, compile_model), optimizer)
 
 
 FLATFSDP_MESH_NAMES = ("dp_outer", "dp_shard")
@@ -118,7 +127,7 @@ def setup_flatfsdp(model: nn.Module, cfg: BenchConfig, on_nonfinite: str | None 
                              and shard_ranks > 1)
     if on_nonfinite is not None:
         flatfsdp.set_on_nonfinite(model, on_nonfinite)
-    return Trainer(_plain_step(_maybe_compiled(model, compile_model), optimizer),
+    return replace(_plain_step(_maybe_compiled(model, compile_model), optimizer),
                    stage=STRATEGY_STAGE[cfg.strategy], account=flatfsdp.comm_account())
 
 

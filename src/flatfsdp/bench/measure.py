@@ -10,8 +10,10 @@ by a device synchronisation.
 from __future__ import annotations
 
 import gc
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,10 +21,13 @@ import torch.distributed as dist
 from flatfsdp.bench.comm_bytes import CollectiveBytes
 from flatfsdp.bench.contenders import REGISTRY, Trainer
 from flatfsdp.bench.host_cpu import HostCpu
+from flatfsdp.bench.link_activity import activity
 from flatfsdp.bench.link_counters import LinkProbe, NodeLayout
+from flatfsdp.bench.link_sampler import LinkSampler
 from flatfsdp.bench.memory import PeakMemory
 from flatfsdp.bench.netsim import link_device
 from flatfsdp.bench.options import BenchConfig
+from flatfsdp.bench.wire import parse_rate
 from flatfsdp.bench.workload import build_model, device, make_batches, param_count
 
 
@@ -47,13 +52,36 @@ def _timed(trainer: Trainer, batches: list, dev: torch.device, cpu: HostCpu) -> 
     times, losses = [], []
     for x, y in batches:
         cpu.start()
+        trainer.marks.note("step")
         start = time.perf_counter()
         loss = trainer.step(x, y)
         _sync(dev)
         times.append(time.perf_counter() - start)
         cpu.stop()
         losses.append(loss.item())
+    trainer.marks.note("end")
     return times, losses
+
+
+def _timed_with_timeline(cfg: BenchConfig, trainer: Trainer, batches: list, dev: torch.device,
+                         cpu: HostCpu) -> tuple[list[float], list[float], dict | None]:
+    """``_timed``; with ``--link-timeline`` behind a link, rank 0 also samples
+    the link's counter and marks the phases of each step (link_activity.py)."""
+    if not (cfg.link_timeline and cfg.link):
+        return (*_timed(trainer, batches, dev, cpu), None)
+    with tempfile.TemporaryDirectory(prefix="flatfsdp-timeline-") as workdir:
+        sampler = LinkSampler(link_device(cfg.nodes), Path(workdir) / "samples.txt") if dist.get_rank() == 0 else None
+        if sampler is not None:
+            sampler.start()
+            trainer.marks.on = True
+        dist.barrier()  # the sampler runs before any rank's first timed step
+        try:
+            times, losses = _timed(trainer, batches, dev, cpu)
+        finally:
+            trainer.marks.on = False
+            counter = sampler.stop() if sampler is not None else None
+    timeline = None if counter is None else activity(counter, trainer.marks.marks, parse_rate(cfg.link))
+    return times, losses, timeline
 
 
 def _per_step_engine_bytes(account, steps: int) -> dict | None:
@@ -110,7 +138,7 @@ def run_contender(cfg: BenchConfig, name: str) -> dict:
     if cfg.link:
         link = LinkProbe(link_device(cfg.nodes), NodeLayout.from_env(rank, world), trainer.account, dev)
     cpu = HostCpu()
-    times, losses = _timed(trainer, batches[cfg.warmup:], dev, cpu)
+    times, losses, timeline = _timed_with_timeline(cfg, trainer, batches[cfg.warmup:], dev, cpu)
     link_bytes = link.finish(cfg.steps) if link else None
     engine_bytes = _per_step_engine_bytes(trainer.account, cfg.steps)
     exposed = _exposed_per_step(trainer.account, cfg.steps, dev)
@@ -118,7 +146,7 @@ def run_contender(cfg: BenchConfig, name: str) -> dict:
     return _gather(dict(
         contender=name, n_params=n_params, world=world, stage=trainer.stage, device=str(dev),
         memory_method=probe.method, torch_bytes=torch_bytes, engine_bytes=engine_bytes, link=link_bytes,
-        exposed=exposed, host_cpu_s=_host_cpu_by_rank(cpu.medians(), dev),
+        exposed=exposed, host_cpu_s=_host_cpu_by_rank(cpu.medians(), dev), link_timeline=timeline,
     ), times, warm_losses + losses, peak, dev)
 
 

@@ -110,6 +110,10 @@ class BenchConfig:
     link_penalty: bool = False
     """With ``link``: each contender also runs on plain loopback, right after its
     run behind the link, so the report can say what the link cost it."""
+    link_timeline: bool = False
+    """With ``link``: rank 0 samples the link's byte counter through the timed
+    steps and marks each step's phases, so the report says when the link sat
+    idle and in which phase (bench/link_activity.py)."""
     predict: str | None = None
     """Predict each flatfsdp run's step (and the floor's) beside its measurement:
     "probe" (this machine, probed before the runs) or a device of
@@ -211,6 +215,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--link-penalty", action="store_true",
                    help="with --link: run each contender on plain loopback too, right after its run behind the link, "
                         "and report its link penalty (step behind the link / step without it)")
+    p.add_argument("--link-timeline", action="store_true",
+                   help="with --link: sample the link's byte counter every 2 ms through the timed steps and "
+                        "report, per phase of the step, how long the link sat idle (each contender, rank 0)")
     flags.add(p, "--nnodes", dest="nodes", default=d.nodes, choices=(1, 2),
               note="simulated, with --link: joined by the link, --nproc-per-node ranks each")
     flags.add(p, "--predict", note="of the floor and every flatfsdp run, printed beside each measured step")
@@ -270,6 +277,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit("--nnodes 2 needs --link RATE: the simulated nodes are joined by a throttled link")
     if args.link_penalty and args.link is None:
         raise SystemExit("--link-penalty needs --link RATE: it compares each run behind the link with one without")
+    if args.link_timeline and args.link is None:
+        raise SystemExit("--link-timeline needs --link RATE: it samples the throttled link's byte counter")
     context = args.context or max(256, shape["seq_len"])
     if shape["seq_len"] > context:
         raise SystemExit(f"--seq-length {shape['seq_len']} exceeds --max-position-embeddings {context}")
@@ -284,7 +293,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        lr=args.lr, seed=args.seed, loss_tol=args.loss_tol,
                        preset=preset if args.batch is None and args.seq_len is None else None,
                        link=args.link, nodes=args.nodes, model=PRESET_MODELS.get(args.preset, "gpt"),
-                       link_penalty=args.link_penalty, predict=_prediction(args),
+                       link_penalty=args.link_penalty, link_timeline=args.link_timeline, predict=_prediction(args),
                        probe_file=args.probe_file, **shape)
 
 

@@ -57,9 +57,15 @@ def summarise_contender(name: str, runs: list[dict], cfg: BenchConfig) -> dict:
         comm=_comm(last, cfg), memory_method=last["memory_method"], n_params=last["n_params"],
         link=last.get("link"),
         exposed_s=_median_exposed(runs), exposed_by_kind=(last.get("exposed") or {}),
-        host_cpu_s=_median_host_cpu(runs),
+        host_cpu_s=_median_host_cpu(runs), link_timeline=_median_run(runs, medians).get("link_timeline"),
         **_no_link(runs),
     )
+
+
+def _median_run(runs: list[dict], medians: list[float]) -> dict:
+    """The run whose median step is the median of the runs' (the lower one of an even count)."""
+    order = sorted(range(len(runs)), key=lambda i: medians[i])
+    return runs[order[(len(order) - 1) // 2]]
 
 
 def _no_link(runs: list[dict]) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from flatfsdp.bench.options import BenchConfig
 from flatfsdp.bench.report import MB
+from flatfsdp.bench.timeline_table import timeline_table
 from flatfsdp.bench.wire import parse_rate
 
 
@@ -91,5 +92,5 @@ def wire_table(cfg: BenchConfig, summary: dict) -> str:
               "* wire limit = crossing bytes of the busiest direction / rate; line = max(no-comm floor, wire limit "
               "from the interface); the floor has no communication in its timed steps, so it runs on loopback, "
               "unthrottled."]
-    penalty = penalty_table(summary)
-    return "\n".join(lines + (["", penalty] if penalty else []))
+    extra = [table for table in (penalty_table(summary), timeline_table(summary)) if table]
+    return "\n\n".join(["\n".join(lines)] + extra)
