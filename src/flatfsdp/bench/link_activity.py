@@ -114,18 +114,16 @@ def step_activity(counter: Counter, marks: list[tuple[float, str]], end: float, 
     and its idle spans of ``MIN_SPAN_S`` or more (start and seconds from the step's start)."""
     start = marks[0][0]
     phases = _phases(marks, end)
+    idle = counter.idle_spans(start, end, rate)  # once for the step; each phase takes its overlap
 
-    def carried(a: float, b: float) -> tuple[float, float]:
-        return counter.bytes_at(b) - counter.bytes_at(a), sum(y - x for x, y in counter.idle_spans(a, b, rate))
+    def idle_in(a: float, b: float) -> float:
+        return sum(max(0.0, min(y, b) - max(x, a)) for x, y in idle)
 
-    rows = []
-    for name, a, b in phases:
-        nbytes, idle = carried(a, b)
-        rows.append(dict(phase=name, seconds=b - a, bytes=nbytes, idle_s=idle))
-    spans = [dict(start_s=a - start, seconds=b - a, phase=_phase_of(phases, a))
-             for a, b in counter.idle_spans(start, end, rate) if b - a >= MIN_SPAN_S]
-    nbytes, idle = carried(start, end)
-    return dict(step_s=end - start, bytes=nbytes, idle_s=idle, phases=rows, spans=spans)
+    rows = [dict(phase=name, seconds=b - a, bytes=counter.bytes_at(b) - counter.bytes_at(a), idle_s=idle_in(a, b))
+            for name, a, b in phases]
+    spans = [dict(start_s=a - start, seconds=b - a, phase=_phase_of(phases, a)) for a, b in idle if b - a >= MIN_SPAN_S]
+    return dict(step_s=end - start, bytes=counter.bytes_at(end) - counter.bytes_at(start),
+                idle_s=sum(b - a for a, b in idle), phases=rows, spans=spans)
 
 
 def split_steps(marks: list[tuple[float, str]]) -> list[tuple[list[tuple[float, str]], float]]:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from flatfsdp.bench.link_sampler import counter_path
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,7 @@ def split_sent(sent_by_peer: dict[int, int], layout: NodeLayout) -> tuple[int, i
 
 def read_counters(device: str) -> tuple[int, int]:
     """(tx_bytes, rx_bytes) of ``device`` in this process's network namespace."""
-    stats = Path("/sys/class/net") / device / "statistics"
-    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+    return int(counter_path(device, "tx_bytes").read_text()), int(counter_path(device, "rx_bytes").read_text())
 
 
 class LinkProbe:

@@ -28,8 +28,9 @@ _READY = "ready"
 _STOP_TIMEOUT_S = 10.0
 
 
-def counter_path(device: str) -> Path:
-    return Path("/sys/class/net") / device / "statistics" / "tx_bytes"
+def counter_path(device: str, counter: str = "tx_bytes") -> Path:
+    """Where the kernel shows ``device``'s ``counter`` (this process's network namespace)."""
+    return Path("/sys/class/net") / device / "statistics" / counter
 
 
 class LinkSampler:
